@@ -1,0 +1,83 @@
+"""Lay an adapter out in the pool's row format.
+
+Each adapted module m with rank r contributes r rows of A (length in_m) and r rows of Bᵀ (length out_m).
+A row of length L spans ceil(L / slot_width) consecutive entries of the adapter's slot list. A rows are
+packed one after another into K buffers and Bᵀ rows into V buffers, independently, so the adapter
+needs max(total A chunks, total B chunks) slots: the least waste for modules whose in and out differ
+(k/v under GQA, gate/up/down).
+
+The LoRA scale is folded into Bᵀ when packing: per-layer `rank_pattern`/`alpha_pattern` then need no
+per-layer table, and expand does one multiply less. Layers where a module has a lower rank than its
+maximum (rank_pattern by layer) get zero rows, which contribute exactly nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.lora_weights import LoraWeights
+from shared.model_config import MODULES, ModelConfig
+
+
+def chunks(length: int, slot_width: int) -> int:
+    return -(-length // slot_width)
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter in pool row format; this is what the host arena holds and what one copy moves."""
+
+    name: str
+    rows: torch.Tensor  # [num_layers, 2, n_slots, slot_width]: [:, 0] A chunks, [:, 1] scaled Bᵀ chunks
+    ranks: tuple[int, ...]  # per MODULES entry; 0 = module not adapted
+    a_off: tuple[int, ...]  # first entry of the module's A rows in the adapter's slot list
+    b_off: tuple[int, ...]  # first entry of the module's Bᵀ rows in the adapter's slot list
+
+    @property
+    def n_slots(self) -> int:
+        return int(self.rows.shape[2])
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+
+def layout_offsets(ranks: tuple[int, ...], cfg: ModelConfig, slot_width: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Offsets of each module's A and Bᵀ rows in the slot list, and the number of slots needed."""
+    a_off, b_off = [], []
+    a_next = b_next = 0
+    for m, r in zip(MODULES, ranks):
+        fan_in, fan_out = cfg.module_dims(m)
+        a_off.append(a_next)
+        b_off.append(b_next)
+        a_next += r * chunks(fan_in, slot_width)
+        b_next += r * chunks(fan_out, slot_width)
+    return tuple(a_off), tuple(b_off), max(a_next, b_next, 1)
+
+
+def pack_adapter(weights: LoraWeights, cfg: ModelConfig, slot_width: int, dtype: torch.dtype = torch.float32) -> PackedAdapter:
+    ranks = tuple(weights.module_rank(m) for m in MODULES)
+    a_off, b_off, n_slots = layout_offsets(ranks, cfg, slot_width)
+    rows = torch.zeros(cfg.num_layers, 2, n_slots, slot_width, dtype=dtype)
+    for mi, m in enumerate(MODULES):
+        r = ranks[mi]
+        if r == 0:
+            continue
+        fan_in, fan_out = cfg.module_dims(m)
+        ci, co = chunks(fan_in, slot_width), chunks(fan_out, slot_width)
+        for layer, w in enumerate(weights.modules[m]):
+            if w is None:
+                continue
+            lr = w.rank
+            a = torch.zeros(r, ci * slot_width)
+            a[:lr, :fan_in] = w.lora_a.float()
+            bt = torch.zeros(r, co * slot_width)
+            bt[:lr, :fan_out] = (w.lora_b.float() * w.scale).t()
+            rows[layer, 0, a_off[mi]: a_off[mi] + r * ci] = a.view(r * ci, slot_width).to(dtype)
+            rows[layer, 1, b_off[mi]: b_off[mi] + r * co] = bt.view(r * co, slot_width).to(dtype)
+    return PackedAdapter(weights.name, rows, ranks, a_off, b_off)

@@ -1,0 +1,53 @@
+"""Per-step metadata the attention and LoRA ops read. Built once per step by the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnMeta:
+    """Ragged batch of sequences; sequence b has q_len_b new tokens and ctx_len_b tokens of context
+    (including the new ones, whose K/V are already written to the pool). New token j of sequence b sits
+    at position ctx_len_b - q_len_b + j and attends to positions <= its own."""
+
+    q_start: torch.Tensor  # int32 [B + 1]: offsets of each sequence's new tokens in the flat token axis
+    ctx_lens: torch.Tensor  # int32 [B]
+    slot_table: torch.Tensor  # int32 [B, max_ctx]: slot id of each context position (page table, 1 token/page)
+    max_q_len: int
+    max_ctx_len: int
+    decode_only: bool  # every sequence has exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.ctx_lens.shape[0])
+
+
+@dataclass
+class LoraTables:
+    """Where each resident adapter's rows live in the pool, indexed by its resident id.
+
+    Module index order is shared.model_config.MODULES. Rank 0 means the module is not adapted. Row i of
+    module m's A spans entries a_off[m] + i*ceil(in/W) ... of slots[id]; likewise Bᵀ from b_off[m]."""
+
+    slots: torch.Tensor  # int32 [max_resident, max_slots_per_adapter]
+    ranks: torch.Tensor  # int32 [max_resident, 7]
+    a_off: torch.Tensor  # int32 [max_resident, 7]
+    b_off: torch.Tensor  # int32 [max_resident, 7]
+
+
+@dataclass
+class LoraBatch:
+    """The LoRA part of one step: which resident adapter each token uses (-1 = base only), and the
+    largest rank per module among adapters in this step (bounds the shrink output width)."""
+
+    tables: LoraTables
+    token_adapter: torch.Tensor  # int32 [T]
+    max_rank: tuple[int, ...]  # per module, over this step's adapters
+    # Segment form for prefill: runs of consecutive tokens that share one adapter.
+    seg_start: torch.Tensor | None = None  # int32 [S + 1]
+    seg_adapter: torch.Tensor | None = None  # int32 [S]
+
+    def group_max_rank(self, modules: tuple[int, ...]) -> int:
+        return max(self.max_rank[m] for m in modules)
