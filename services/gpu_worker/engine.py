@@ -1,0 +1,244 @@
+"""The engine: iteration-level continuous batching over the unified pool, in one process.
+
+Every `step()`: 1) give running requests their next tokens' slots (evicting unused adapters, then
+preempting the newest request, when slots are short) 2) admit waiting requests while slots, the token
+budget and the running limit allow 3) build one ragged batch that mixes prefill chunks and decode tokens
+of any adapters 4) forward 5) sample 6) finish and free. Requests join and leave at any step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shared.config import EngineConfig
+from shared.log import get_logger
+from shared.lora_weights import LoraWeights
+from shared.model_config import MODULES, ModelConfig
+
+from .adapter_layout import PackedAdapter, pack_adapter
+from .batch_builder import build_batch
+from .model import LlamaModel
+from .ops import select_backend
+from .pool import UnifiedPool
+from .requests import EngineRequest, RequestOutput, Sequence
+from .resident_adapters import ResidentAdapters
+from .sampling import sample
+from .weights import ModelWeights, dummy_weights, load_weights
+
+log = get_logger(__name__)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, config: EngineConfig,
+                 adapter_loader: Callable[[str], PackedAdapter] | None = None, backend: str = "auto"):
+        self.cfg = cfg
+        self.config = config
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        self.ops = select_backend(self.device, backend)
+        self.model = LlamaModel(cfg, weights, self.ops, self.max_model_len)
+        num_slots = config.num_slots or self._slots_from_memory()
+        self.pool = UnifiedPool(cfg.num_layers, num_slots, cfg.kv_dim, self.dtype, self.device)
+        self._local_adapters: dict[str, PackedAdapter] = {}
+        self.adapters = ResidentAdapters(self.pool, cfg, config.max_resident_adapters, config.max_lora_rank,
+                                         adapter_loader or self._local_adapters.__getitem__)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self._by_id: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []
+        self._order = 0
+        self.num_preemptions = 0
+        self.step_count = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig, **kw) -> "Engine":
+        cfg = ModelConfig.from_dir(model_dir)
+        device, dtype = torch.device(config.device), DTYPES[config.dtype]
+        return cls(cfg, load_weights(model_dir, cfg, dtype, device), config, **kw)
+
+    @classmethod
+    def with_dummy_weights(cls, cfg: ModelConfig, config: EngineConfig, **kw) -> "Engine":
+        device, dtype = torch.device(config.device), DTYPES[config.dtype]
+        return cls(cfg, dummy_weights(cfg, dtype, device, config.seed), config, **kw)
+
+    def _slots_from_memory(self) -> int:
+        if self.device.type != "cuda":
+            raise ValueError("num_slots = 0 (size from memory) needs a CUDA device")
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(free * self.config.pool_memory_fraction)
+        return UnifiedPool.slots_for_bytes(budget, self.cfg.num_layers, self.cfg.kv_dim, self.dtype)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def register_adapter(self, name: str, weights: LoraWeights) -> PackedAdapter:
+        """In-process adapter source (tests, demo); services load adapters from the arena instead."""
+        packed = pack_adapter(weights, self.cfg, self.cfg.kv_dim, self.dtype)
+        self._local_adapters[name] = packed
+        return packed
+
+    def add_request(self, req: EngineRequest) -> None:
+        if req.request_id in self._by_id:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.sampling.validate()
+        if not req.prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        total = len(req.prompt_ids) + req.sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
+        if total > self.pool.num_slots:
+            raise ValueError(f"prompt + max_tokens ({total}) cannot fit in the pool ({self.pool.num_slots} slots)")
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.cfg.vocab_size})")
+        seq = Sequence(req, self._order)
+        self._order += 1
+        self._by_id[req.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._pending)
+
+    # ---- step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self._schedule()
+        outputs, self._pending = self._pending, []
+        if not scheduled:
+            return outputs
+        batch, samplers = build_batch(scheduled, self.adapters.tables, self.device)
+        logits = self.model.forward(batch, self.pool)
+        self.step_count += 1
+        for seq, n in scheduled:
+            seq.num_computed += n
+        if samplers:
+            tokens = sample(logits, [s.req.sampling for s in samplers], [s.generator for s in samplers])
+            for row, (seq, token) in enumerate(zip(samplers, tokens)):
+                seq.tokens.append(token)
+                out = RequestOutput(seq.request_id, [token], prompt_tokens=seq.prompt_len,
+                                    completion_tokens=seq.num_output)
+                if seq.req.return_logits:
+                    out.logits = [logits[row].cpu()]
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    self._release(seq)
+                    out.finished, out.finish_reason = True, reason
+                outputs.append(out)
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        sp = seq.req.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.cfg.eos_token_ids):
+            return "stop"
+        if seq.num_output >= sp.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        budget = self.config.max_batched_tokens
+        alloc = self.pool.allocator
+        scheduled: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if seq not in self.running or budget == 0:
+                continue  # preempted earlier in this loop, or no token budget left this step
+            n = min(seq.remaining, budget)
+            while not alloc.can_allocate(n) and not self.adapters.evict_until(n):
+                self._preempt(self.running[-1])
+                if seq not in self.running:
+                    break
+            if seq not in self.running:
+                continue
+            seq.slots += alloc.allocate(n)
+            scheduled.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            seq = self.waiting[0]
+            if seq.adapter is None and seq.req.adapter is not None:
+                try:
+                    seq.adapter = self.adapters.acquire(seq.req.adapter)
+                except (KeyError, ValueError) as exc:
+                    self.waiting.popleft()
+                    self._fail(seq, f"adapter {seq.req.adapter!r} cannot be loaded: {exc}")
+                    continue
+                if seq.adapter is None:
+                    if not self.running:
+                        self.waiting.popleft()
+                        self._fail(seq, f"adapter {seq.req.adapter!r} does not fit in the pool")
+                        continue
+                    break  # slots are short; try again when requests finish
+            n = min(seq.remaining, budget)
+            if not alloc.can_allocate(n) and not self.adapters.evict_until(n):
+                if not self.running:
+                    self.waiting.popleft()
+                    self._fail(seq, f"request needs {n} KV slots beside its adapter; the pool has {alloc.num_free} free")
+                    continue
+                break
+            self.waiting.popleft()
+            seq.order = self._order
+            self._order += 1
+            seq.slots = alloc.allocate(n)
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running request's KV and queue it first in line; it is recomputed when readmitted."""
+        log.debug("engine.preempt", request_id=seq.request_id, tokens=len(seq.tokens))
+        self.running.remove(seq)
+        self._release_slots(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release_slots(self, seq: Sequence) -> None:
+        if seq.slots:
+            self.pool.allocator.free(seq.slots)
+            seq.slots = []
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter.name)
+            seq.adapter = None
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release_slots(seq)
+        seq.finished = True
+        self._by_id.pop(seq.request_id, None)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self._release(seq)
+        self._pending.append(RequestOutput(seq.request_id, [], True, reason, seq.prompt_len, seq.num_output, error))
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        log.warning("engine.request_failed", request_id=seq.request_id, error=message)
+        self._finish(seq, "error", message)
+
+    # ---- reporting ------------------------------------------------------------------------------
+    def capacity(self) -> dict:
+        alloc = self.pool.allocator
+        adapter_slots = self.adapters.slots_in_use
+        return {
+            "total_slots": alloc.num_slots,
+            "free_slots": alloc.num_free,
+            "adapter_slots": adapter_slots,
+            "kv_slots": alloc.num_used - adapter_slots,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "resident_adapters": self.adapters.names,
+            "preemptions": self.num_preemptions,
+            "adapter_loads": self.adapters.loads,
+            "adapter_bytes_loaded": self.adapters.bytes_loaded,
+        }

@@ -1,0 +1,61 @@
+"""Request-side types of the engine: what comes in, what goes out, and a request's running state."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .resident_adapters import Resident
+from .sampling import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None  # None = base model only
+    return_logits: bool = False  # keep each sampled position's logits (tests and debugging)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    logits: list[torch.Tensor] | None = None
+
+
+class Sequence:
+    """A request in the engine. `tokens` is prompt + output; the first `num_computed` have K/V in the pool
+    at `slots[:num_computed]`. Preemption drops the slots and resets num_computed: the request is
+    recomputed from its tokens later, so its output does not change."""
+
+    def __init__(self, req: EngineRequest, order: int):
+        self.req = req
+        self.order = order  # admission order; the newest running request is preempted first
+        self.tokens = list(req.prompt_ids)
+        self.prompt_len = len(req.prompt_ids)
+        self.slots: list[int] = []
+        self.num_computed = 0
+        self.adapter: Resident | None = None
+        self.generator = req.sampling.make_generator()
+        self.finished = False
+        self.num_preemptions = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return len(self.tokens) - self.num_computed

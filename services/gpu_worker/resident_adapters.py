@@ -1,0 +1,129 @@
+"""Adapters resident in the unified pool: slot ownership, refcounts, LRU eviction, the device tables.
+
+An adapter is copied into the pool when a request first needs it and stays after its last request ends,
+as long as nobody needs the slots; unused adapters are evicted least-recently-used first, before any
+request is preempted for KV space.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from shared.model_config import MODULES, ModelConfig
+
+from .adapter_layout import PackedAdapter, layout_offsets
+from .ops.meta import LoraTables
+from .pool import UnifiedPool
+
+
+@dataclass
+class Resident:
+    name: str
+    resident_id: int
+    slots: list[int]
+    ranks: tuple[int, ...]
+    refcount: int = 0
+
+
+class AdapterTooLarge(ValueError):
+    pass
+
+
+class ResidentAdapters:
+    def __init__(self, pool: UnifiedPool, cfg: ModelConfig, max_resident: int, max_rank: int,
+                 loader: Callable[[str], PackedAdapter], copy_rows: Callable[[torch.Tensor, PackedAdapter], None] | None = None):
+        self.pool = pool
+        self.loader = loader
+        # Default copy is a synchronous scatter; the CUDA path passes one that stages on a side stream.
+        self.copy_rows = copy_rows or (lambda slots, packed: pool.write_adapter_rows(slots, packed.rows))
+        _, _, self.max_slots = layout_offsets((max_rank,) * len(MODULES), cfg, pool.slot_width)
+        dev = pool.device
+        n = len(MODULES)
+        self.tables = LoraTables(
+            slots=torch.zeros(max_resident, self.max_slots, dtype=torch.int32, device=dev),
+            ranks=torch.zeros(max_resident, n, dtype=torch.int32, device=dev),
+            a_off=torch.zeros(max_resident, n, dtype=torch.int32, device=dev),
+            b_off=torch.zeros(max_resident, n, dtype=torch.int32, device=dev),
+        )
+        self._by_name: dict[str, Resident] = {}
+        self._unused: OrderedDict[str, None] = OrderedDict()
+        self._free_ids = list(range(max_resident - 1, -1, -1))
+        self.loads = 0
+        self.bytes_loaded = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def get(self, name: str) -> Resident | None:
+        return self._by_name.get(name)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    @property
+    def slots_in_use(self) -> int:
+        return sum(len(r.slots) for r in self._by_name.values())
+
+    @property
+    def unused_slots(self) -> int:
+        return sum(len(self._by_name[n].slots) for n in self._unused)
+
+    def acquire(self, name: str) -> Resident | None:
+        """Pin an adapter in the pool, loading it if needed. None when slots are short even after
+        evicting every unused adapter (the caller waits or preempts). Unknown adapters raise KeyError."""
+        res = self._by_name.get(name)
+        if res is None:
+            packed = self.loader(name)
+            need = packed.n_slots
+            if need > self.max_slots:
+                raise AdapterTooLarge(f"adapter {name!r} needs {need} slots, more than max_lora_rank allows ({self.max_slots})")
+            if not self.evict_until(need, need_id=True):
+                return None
+            slots = self.pool.allocator.allocate(need)
+            rid = self._free_ids.pop()
+            self.copy_rows(torch.tensor(slots, dtype=torch.long, device=self.pool.device), packed)
+            t = self.tables
+            t.slots[rid, :need] = torch.tensor(slots, dtype=torch.int32)
+            t.ranks[rid] = torch.tensor(packed.ranks, dtype=torch.int32)
+            t.a_off[rid] = torch.tensor(packed.a_off, dtype=torch.int32)
+            t.b_off[rid] = torch.tensor(packed.b_off, dtype=torch.int32)
+            res = Resident(name, rid, slots, packed.ranks)
+            self._by_name[name] = res
+            self.loads += 1
+            self.bytes_loaded += packed.nbytes
+        self._unused.pop(name, None)
+        res.refcount += 1
+        return res
+
+    def release(self, name: str) -> None:
+        res = self._by_name[name]
+        res.refcount -= 1
+        if res.refcount == 0:
+            self._unused[name] = None
+
+    def evict_until(self, free_slots: int, need_id: bool = False) -> bool:
+        """Evict unused adapters (LRU first) until `free_slots` slots (and a table row, if asked) are free."""
+        alloc = self.pool.allocator
+        while not alloc.can_allocate(free_slots) or (need_id and not self._free_ids):
+            if not self._unused:
+                return False
+            self._evict(next(iter(self._unused)))
+        return True
+
+    def evict(self, name: str) -> bool:
+        """Drop an unused adapter now (e.g. it was deleted); False if requests still hold it."""
+        if name not in self._unused:
+            return False
+        self._evict(name)
+        return True
+
+    def _evict(self, name: str) -> None:
+        del self._unused[name]
+        res = self._by_name.pop(name)
+        self.pool.allocator.free(res.slots)
+        self.tables.ranks[res.resident_id] = 0
+        self._free_ids.append(res.resident_id)
