@@ -172,6 +172,9 @@ class WorkerStatus(Message):
     resident_adapters: list[str]
     finished_request_ids: list[str]
     ready: bool = True
+    max_running: int = 0  # requests it runs at once at most; 0 = unknown (the scheduler's default applies)
+    adapter_loads: int = 0  # adapters copied into the GPU pool since the worker started
+    adapter_load_bytes: int = 0  # bytes of those copies
 
 
 @record
@@ -214,8 +217,11 @@ class RegisterAdapter(Message):
 
 @message
 class ListAdapters(Message):
+    """The tenant's adapters and the shared ones; every tenant's with all_tenants (admin listing)."""
+
     tenant: str = ""
     call_id: str = ""
+    all_tenants: bool = False
 
 
 @message
@@ -355,6 +361,8 @@ class Pong(Message):
     ready: bool = True
     pid: int = 0
     call_id: str = ""
+    workers_ready: int = 0  # scheduler only: workers that reported ready and are alive
+    queue_depth: int = 0  # scheduler only: requests in the waiting queue
 
 
 # --------------------------------------------------------------------------------------------------
