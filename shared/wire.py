@@ -333,6 +333,15 @@ class ReleaseAdapter(Message):
 
 
 @message
+class ReleaseWorker(Message):
+    """Drop every pin a worker holds (sent when a worker died; its restart starts with an empty pool).
+    Replies with Ack only when call_id is set."""
+
+    worker_id: str
+    call_id: str = ""
+
+
+@message
 class WarmAdapters(Message):
     """Load adapters into the arena ahead of use (from prefetch hints). Replies with Ack only when
     call_id is set, once they are loaded."""
