@@ -76,6 +76,9 @@ class WaitingQueue:
             del self._per_tenant[request.tenant]
         return request
 
+    def all(self) -> list[QueuedRequest]:
+        return list(self._where.values())
+
     def retries(self) -> Iterator[QueuedRequest]:
         return iter(self._retry.values())
 

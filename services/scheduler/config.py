@@ -1,0 +1,65 @@
+"""Typed configuration of the scheduler process; field docs become `--help`, unknown keys are rejected."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+
+from shared.config import from_dict
+
+
+def _doc(text: str, default):
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class SchedulerConfig:
+    """Settings of the scheduler: queueing, admission, clustering, routing and worker supervision."""
+
+    gateway_bind: str = _doc("ZeroMQ address of the ROUTER socket gateways connect to", "tcp://127.0.0.1:5570")
+    worker_bind: str = _doc("ZeroMQ address of the ROUTER socket workers connect to", "tcp://127.0.0.1:5571")
+    store_addr: str = _doc("ZeroMQ address of the adapter_store, told which adapters to warm; empty = none", "")
+    max_queue: int = _doc("requests waiting at most; more -> 429 with Retry-After", 1024)
+    max_queue_per_tenant: int = _doc("requests one tenant may have waiting; more -> 429 for that tenant; 0 = no bound", 0)
+    first_token_slo_s: float = _doc("first-token SLO: queued requests that cannot meet it are aborted early; 0 = off", 6.0)
+    prefill_overhead_s: float = _doc("initial estimate of the fixed cost of a prefill, seconds", 0.02)
+    prefill_per_token_s: float = _doc("initial estimate of prefill seconds per prompt token (learned as it runs)", 1e-4)
+    rate_period_s: float = _doc("scheduling period over which arrivals and admissions are averaged, seconds", 0.5)
+    rate_smoothing: float = _doc("weight of the latest period in the arrival/admission moving averages", 0.3)
+    cluster_adapters: int = _doc("adapter clustering d: past d distinct adapters in a batch, prefer requests of its adapters; 0 = off", 8)
+    max_adapters_per_batch: int = _doc("distinct adapters in one worker's batch at most; 0 = no bound", 0)
+    lookahead: int = _doc("queued requests considered per scheduling decision", 256)
+    prefetch_adapters: int = _doc("adapters named in prefetch hints from the head of the queue, at most", 8)
+    worker_max_running: int = _doc("requests a worker runs at once when its status does not say", 256)
+    heartbeat_timeout_s: float = _doc("a worker silent this long is treated as dead", 3.0)
+    max_retries: int = _doc("times a request lost with a dead worker before streaming anything is requeued", 1)
+    drain_timeout_s: float = _doc("on SIGTERM, time given to queued and running requests to finish", 30.0)
+    log_level: str = _doc("log level: debug, info, warning, error", "info")
+    log_json: bool = _doc("log one JSON object per line", False)
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "lookahead", "worker_max_running"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_queue_per_tenant", "first_token_slo_s", "cluster_adapters", "max_adapters_per_batch",
+                     "prefetch_adapters", "max_retries", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.heartbeat_timeout_s <= 0 or self.rate_period_s <= 0:
+            raise ValueError("heartbeat_timeout_s and rate_period_s must be positive")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SchedulerConfig":
+        return from_dict(cls, values)
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "SchedulerConfig":
+        parser = argparse.ArgumentParser(prog="python -m services.scheduler", description=cls.__doc__)
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not MISSING else None
+            help_text = f"{f.metadata.get('doc', '')} (default: {default!r})"
+            if isinstance(default, bool):
+                parser.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
+            else:
+                parser.add_argument(flag, dest=f.name, type=type(default), default=default, help=help_text)
+        return cls(**vars(parser.parse_args(argv)))
