@@ -1,0 +1,5 @@
+import sys
+
+from services.adapter_store.service import main
+
+sys.exit(main())

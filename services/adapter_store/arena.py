@@ -1,0 +1,190 @@
+"""The host-RAM adapter cache: one shared-memory segment holding adapters in the pool's row format.
+
+Each adapter's PackedAdapter rows are one contiguous byte range, so a worker moves it to the GPU in one
+copy (see ARCHITECTURE.md: many small copies are slow). The segment's size comes from configuration,
+never from the machine. Adapters are kept least-recently-used first by bytes; an acquired (pinned)
+adapter is never moved or evicted, because a worker may be reading its bytes. When free space is
+fragmented, unpinned adapters are slid down first (compaction) so that cached adapters survive.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+
+from services.gpu_worker.adapter_layout import PackedAdapter
+
+from .byte_ranges import ByteRanges, align_up
+
+# Offsets aligned for DMA and for viewing any dtype in place.
+ARENA_ALIGN = 256
+
+
+class ArenaFull(RuntimeError):
+    """No room even after evicting every unpinned adapter."""
+
+
+@dataclass
+class ArenaEntry:
+    adapter: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    a_off: tuple[int, ...]
+    b_off: tuple[int, ...]
+    pins: Counter = field(default_factory=Counter)  # worker_id -> acquisitions not yet released
+
+    @property
+    def pinned(self) -> bool:
+        return sum(self.pins.values()) > 0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Arena:
+    def __init__(self, nbytes: int, name: str = ""):
+        if nbytes < ARENA_ALIGN:
+            raise ValueError(f"arena of {nbytes} bytes is too small (at least {ARENA_ALIGN})")
+        self.shm = shared_memory.SharedMemory(name=name or None, create=True, size=nbytes)
+        self.name = self.shm.name
+        self.ranges = ByteRanges(nbytes, ARENA_ALIGN)
+        self.capacity = self.ranges.capacity
+        self._bytes = np.frombuffer(self.shm.buf, dtype=np.uint8)
+        self._lru: OrderedDict[str, ArenaEntry] = OrderedDict()  # least recently used first
+        self.loads = 0
+        self.bytes_loaded = 0
+        self.evictions = 0
+
+    # ---- lookups
+    def __contains__(self, adapter: str) -> bool:
+        return adapter in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def get(self, adapter: str) -> ArenaEntry | None:
+        entry = self._lru.get(adapter)
+        if entry is not None:
+            self._lru.move_to_end(adapter)
+        return entry
+
+    @property
+    def adapters(self) -> list[str]:
+        """Resident adapters, least recently used first."""
+        return list(self._lru)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values() if e.pinned)
+
+    # ---- loading and eviction
+    def put(self, adapter: str, packed: PackedAdapter, keep: frozenset[str] = frozenset()) -> ArenaEntry:
+        """Place an adapter's rows (no-op if already resident), evicting unpinned adapters as needed,
+        except those in keep (more urgent prefetches)."""
+        entry = self.get(adapter)
+        if entry is not None:
+            return entry
+        rows = packed.rows.contiguous()
+        nbytes = rows.numel() * rows.element_size()
+        offset = self._make_room(nbytes, keep)
+        self._bytes[offset:offset + nbytes] = rows.reshape(-1).view(torch.uint8).numpy()
+        entry = ArenaEntry(adapter, offset, nbytes, dtype_name(rows.dtype), tuple(rows.shape),
+                           tuple(packed.ranks), tuple(packed.a_off), tuple(packed.b_off))
+        self._lru[adapter] = entry
+        self.loads += 1
+        self.bytes_loaded += nbytes
+        return entry
+
+    def _make_room(self, nbytes: int, keep: frozenset[str]) -> int:
+        need = align_up(max(nbytes, 1), ARENA_ALIGN)
+        if need > self.capacity:
+            raise ArenaFull(f"adapter needs {need} bytes; the arena holds {self.capacity}")
+        while True:
+            offset = self.ranges.allocate(nbytes)
+            if offset is not None:
+                return offset
+            if self.ranges.free_bytes >= need:
+                self.compact()
+                continue
+            victim = next((e for e in self._lru.values() if not e.pinned and e.adapter not in keep), None)
+            if victim is None:
+                raise ArenaFull(f"adapter needs {need} bytes; {self.ranges.free_bytes} free and "
+                                f"{self.pinned_bytes} pinned by running requests")
+            self._remove(victim)
+            self.evictions += 1
+
+    def compact(self) -> None:
+        """Slide unpinned adapters toward the start so free space becomes contiguous; pinned ones stay."""
+        cursor = 0
+        for entry in sorted(self._lru.values(), key=lambda e: e.offset):
+            if not entry.pinned and entry.offset > cursor:
+                # numpy copes with the overlap of source and destination.
+                self._bytes[cursor:cursor + entry.nbytes] = self._bytes[entry.offset:entry.offset + entry.nbytes]
+                entry.offset = cursor
+            cursor = entry.offset + align_up(entry.nbytes, ARENA_ALIGN)
+        self.ranges.reset([(e.offset, e.nbytes) for e in self._lru.values()])
+
+    def _remove(self, entry: ArenaEntry) -> None:
+        del self._lru[entry.adapter]
+        self.ranges.free(entry.offset, entry.nbytes)
+
+    def drop(self, adapter: str) -> bool:
+        """Forget an adapter unless it is pinned; True if it is gone."""
+        entry = self._lru.get(adapter)
+        if entry is None:
+            return True
+        if entry.pinned:
+            return False
+        self._remove(entry)
+        return True
+
+    # ---- pins
+    def acquire(self, adapter: str, worker_id: str) -> ArenaEntry:
+        entry = self.get(adapter)
+        if entry is None:
+            raise KeyError(adapter)
+        entry.pins[worker_id] += 1
+        return entry
+
+    def release(self, adapter: str, worker_id: str) -> ArenaEntry:
+        entry = self._lru.get(adapter)
+        if entry is None or entry.pins[worker_id] <= 0:
+            raise KeyError(f"{adapter!r} is not acquired by worker {worker_id!r}")
+        entry.pins[worker_id] -= 1
+        if entry.pins[worker_id] == 0:
+            del entry.pins[worker_id]
+        return entry
+
+    def release_worker(self, worker_id: str) -> list[str]:
+        """Drop every pin of a worker that died; the adapters it held."""
+        held = [e.adapter for e in self._lru.values() if e.pins.get(worker_id)]
+        for adapter in held:
+            del self._lru[adapter].pins[worker_id]
+        return held
+
+    # ---- access
+    def rows(self, adapter: str) -> torch.Tensor:
+        """The resident rows (a copy, so no view keeps the segment's buffer exported)."""
+        e = self._lru[adapter]
+        raw = torch.from_numpy(self._bytes[e.offset:e.offset + e.nbytes].copy())
+        return raw.view(getattr(torch, e.dtype)).view(e.shape)
+
+    def close(self) -> None:
+        """Unmap and unlink the segment (the owner's job; readers only close)."""
+        self._bytes = None
+        self.shm.close()
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,47 @@
+"""Typed configuration of the adapter_store service; field docs become `--help`."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+
+from shared.config import from_dict
+
+
+def _doc(text: str, default):
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class StoreConfig:
+    """Settings of the adapter_store process."""
+
+    bind: str = _doc("ZeroMQ address the store's ROUTER socket binds", "tcp://127.0.0.1:5560")
+    data_dir: str = _doc("directory for adapter blobs (data_dir/blobs)", "./loraplex-data")
+    redis_url: str = _doc("Redis holding the registry (needs AOF with appendfsync always)", "redis://127.0.0.1:6379/0")
+    key_prefix: str = _doc("prefix of every Redis key the registry writes", "loraplex")
+    model_dir: str = _doc("base model folder (config.json) adapters are checked against", "")
+    dtype: str = _doc("dtype of adapter rows in the arena: the engine's float32, float16 or bfloat16", "float32")
+    max_rank: int = _doc("largest adapter rank accepted", 256)
+    max_upload_bytes: int = _doc("largest adapter (config + safetensors) accepted, in bytes; larger -> 413", 512 * 2**20)
+    allowed_root: str = _doc("server folder that path registrations must lie under; empty = path registration off", "")
+    arena_bytes: int = _doc("size of the shared-memory adapter arena in bytes (from config, never from the machine)", 256 * 2**20)
+    arena_name: str = _doc("name of the arena's shared-memory segment; empty = derived from the process id", "")
+    require_durable_redis: bool = _doc("refuse to start unless Redis has AOF on with appendfsync always", True)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "StoreConfig":
+        return from_dict(cls, values)
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "StoreConfig":
+        parser = argparse.ArgumentParser(prog="python -m services.adapter_store", description=cls.__doc__)
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not MISSING else None
+            help_text = f"{f.metadata.get('doc', '')} (default: {default!r})"
+            if f.type in (bool, "bool"):
+                parser.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
+            else:
+                kind = {"int": int, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+                parser.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
+        return cls(**vars(parser.parse_args(argv)))

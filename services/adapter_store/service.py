@@ -1,0 +1,133 @@
+"""The adapter_store process: a ZeroMQ ROUTER socket in front of AdapterStore.
+
+Clients (gateway, workers, scheduler) talk to it over DEALER sockets: [type, payload, ...] in, the reply
+out to the same identity. The dispatch table below is the store's whole protocol. The loop is
+    1) answer every waiting message  2) when idle, load one prefetched adapter  3) repeat
+so prefetch work never delays a registration or an acquire by more than one adapter load.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Callable
+
+import zmq
+
+from shared.log import configure_logging, get_logger
+from shared.model_config import ModelConfig
+from shared.wire import (
+    AcquireAdapter, DeleteAdapter, GetAdapter, ListAdapters, Message, Ping, Pong, RegisterAdapter,
+    ReleaseAdapter, ReleaseWorker, StoreError, WarmAdapters, WireError, decode, encode,
+)
+
+from .arena import Arena
+from .blobs import BlobStore
+from .config import StoreConfig
+from .errors import StoreRefusal
+from .registry import Registry
+from .store import AdapterStore
+
+log = get_logger("adapter_store")
+IDLE_POLL_MS = 100
+
+
+class StoreService:
+    def __init__(self, cfg: StoreConfig):
+        if not cfg.model_dir:
+            raise ValueError("model_dir is required: adapters are checked against the base model's geometry")
+        self.cfg = cfg
+        model = ModelConfig.from_dir(cfg.model_dir)
+        registry = Registry(cfg.redis_url, cfg.key_prefix)
+        if cfg.require_durable_redis:
+            registry.check_durable()
+        self.arena = Arena(cfg.arena_bytes, cfg.arena_name or f"loraplex-arena-{os.getpid()}")
+        self.store = AdapterStore(cfg, registry, BlobStore(cfg.data_dir), self.arena, model)
+        self.handlers: dict[type, Callable[[Message], Message | None]] = {
+            RegisterAdapter: self.store.register,
+            ListAdapters: self.store.list,
+            GetAdapter: self.store.get,
+            DeleteAdapter: self.store.delete,
+            AcquireAdapter: self.store.acquire,
+            ReleaseAdapter: self.store.release,
+            ReleaseWorker: self.store.release_worker,
+            WarmAdapters: self.store.warm,
+            Ping: self.ping,
+        }
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.running = True
+
+    def ping(self, msg: Ping) -> Pong:
+        return Pong("adapter_store", ready=True, pid=os.getpid(), call_id=msg.call_id)
+
+    def handle(self, frames: list) -> list | None:
+        """Reply frames for one request's frames (identity stripped), or None for no reply."""
+        try:
+            msg = decode(frames)
+        except WireError as e:
+            log.warning("bad_message", error=str(e))
+            return encode(StoreError(400, "bad_message", str(e)))
+        handler = self.handlers.get(type(msg))
+        call_id = getattr(msg, "call_id", "")
+        if handler is None:
+            return encode(StoreError(400, "unsupported_message", f"the adapter store does not handle {type(msg).__name__}",
+                                     call_id=call_id))
+        try:
+            reply = handler(msg)
+        except StoreRefusal as e:
+            log.info("refused", message=type(msg).__name__, status=e.status, code=e.code, reason=e.message)
+            return encode(StoreError(e.status, e.code, e.message, e.param, call_id=call_id))
+        except Exception as e:  # a bug must cost one request, not the store
+            log.exception("handler_failed", message=type(msg).__name__)
+            return encode(StoreError(500, "internal_error", f"{type(e).__name__}: {e}", call_id=call_id))
+        return encode(reply) if reply is not None else None
+
+    def serve(self) -> None:
+        self.store.reconcile()
+        self.socket.bind(self.cfg.bind)
+        log.info("ready", bind=self.cfg.bind, arena=self.arena.name, arena_bytes=self.arena.capacity, pid=os.getpid())
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while self.running:
+            # 1) answer everything waiting
+            timeout = 0 if self.store.warm_queue else IDLE_POLL_MS
+            if poller.poll(timeout):
+                while self.running:
+                    try:
+                        identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    reply = self.handle(frames)
+                    if reply is not None:
+                        self.socket.send_multipart([identity, *reply], copy=False)
+                continue
+            # 2) idle: load one prefetched adapter
+            self.store.warm_step()
+
+    def stop(self, *_args) -> None:
+        self.running = False
+
+    def close(self) -> None:
+        self.socket.close()
+        self.ctx.term()
+        self.arena.close()
+        log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = StoreConfig.from_args(argv)
+    configure_logging(json=not sys.stderr.isatty())
+    try:
+        service = StoreService(cfg)
+    except Exception as e:
+        log.error("startup_failed", error=str(e))
+        return 1
+    signal.signal(signal.SIGTERM, service.stop)
+    signal.signal(signal.SIGINT, service.stop)
+    try:
+        service.serve()
+    finally:
+        service.close()
+    return 0

@@ -1,0 +1,243 @@
+"""The adapter store's behaviour, independent of sockets: register, look up, delete, acquire, release, warm.
+
+Order of effects is what makes a crash harmless:
+- register: validate everything -> blob written atomically -> registry entry (one Lua script). A crash
+  between the two leaves an orphan blob, which the startup reconciler removes; never an entry without a blob.
+- delete: the name is unlisted at once (new lookups get 404); the entry and its arena rows go when the last
+  pin is released (in-flight requests finish first); the blob goes when no entry refers to it any more.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from services.gpu_worker.adapter_layout import pack_adapter
+from shared.log import get_logger
+from shared.model_config import ModelConfig
+from shared.wire import (
+    Ack, AcquireAdapter, AdapterCard, AdapterDeleted, AdapterList, AdapterLocation, AdapterRegistered,
+    DeleteAdapter, GetAdapter, ListAdapters, RegisterAdapter, ReleaseAdapter, ReleaseWorker, WarmAdapters, adapter_id,
+)
+
+from .arena import Arena, ArenaFull
+from .blobs import BlobStore, content_sha256
+from .config import StoreConfig
+from .errors import StoreRefusal, bad_request, not_found
+from .registry import Registry
+from .validation import check_content, check_name, check_tenant, check_upload_size, read_adapter_dir, resolve_under_root
+
+log = get_logger("adapter_store")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def engine_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class AdapterStore:
+    def __init__(self, cfg: StoreConfig, registry: Registry, blobs: BlobStore, arena: Arena, model: ModelConfig):
+        self.cfg = cfg
+        self.registry = registry
+        self.blobs = blobs
+        self.arena = arena
+        self.model = model
+        self.dtype = engine_dtype(cfg.dtype)
+        self.slot_width = model.kv_dim
+        self.deleting: set[str] = set()  # unlisted ids whose rows are still pinned
+        # Hinted adapters to load while idle, each with the more urgent hints it must not evict.
+        self.warm_queue: deque[tuple[str, frozenset[str]]] = deque()
+
+    # ------------------------------------------------------------------ startup
+    def reconcile(self) -> dict[str, int]:
+        """Bring disk and registry back into agreement after a crash; runs before any request is served."""
+        temp = self.blobs.remove_temp_files()
+        purged = 0
+        # No pin survives a restart, so deletions that waited for one can finish now.
+        for aid in self.registry.deleting_ids():
+            purged += 1
+            self._purge(aid)
+        referenced = self.registry.referenced_blobs()
+        orphans = [sha for sha in self.blobs.list() if sha not in referenced]
+        for sha in orphans:
+            self.blobs.delete(sha)
+        missing = sorted(sha for sha in referenced if not self.blobs.exists(sha))
+        for sha in missing:
+            log.error("registry_entry_without_blob", sha256=sha)
+        counts = {"temp_files": temp, "purged": purged, "orphan_blobs": len(orphans), "missing_blobs": len(missing)}
+        log.info("reconciled", **counts)
+        return counts
+
+    # ------------------------------------------------------------------ management
+    def register(self, msg: RegisterAdapter) -> AdapterRegistered:
+        name = check_name(msg.name)
+        tenant = check_tenant(msg.tenant)
+        if msg.path is not None:
+            if msg.config_json is not None or msg.model_safetensors is not None:
+                raise bad_request("invalid_request", "give either uploaded files or a server path, not both", "path")
+            folder = resolve_under_root(msg.path, self.cfg.allowed_root)
+            config_json, model_st = read_adapter_dir(folder, self.cfg.allowed_root, self.cfg.max_upload_bytes)
+        else:
+            if msg.config_json is None:
+                raise bad_request("missing_file", "adapter_config (adapter_config.json) is required", "adapter_config")
+            if msg.model_safetensors is None:
+                raise bad_request("missing_file", "adapter_model (adapter_model.safetensors) is required", "adapter_model")
+            config_json, model_st = msg.config_json, msg.model_safetensors
+        check_upload_size(config_json, model_st, self.cfg.max_upload_bytes)
+        checked = check_content(config_json, model_st, self.model, self.cfg.max_rank)
+        sha = content_sha256(checked.config_json, checked.model_safetensors)
+        aid = adapter_id(tenant, name, sha)
+
+        # Answer duplicates before writing anything: a 409 must leave the store exactly as it was.
+        current = self.registry.lookup_own(tenant, name)
+        if current is not None:
+            return self._existing(current, aid, msg.call_id)
+
+        self.blobs.put(checked.config_json, checked.model_safetensors)
+        card = AdapterCard(id=aid, name=name, tenant=tenant, rank=checked.rank, target_modules=checked.target_modules,
+                           sha256=sha, bytes=len(checked.config_json) + len(checked.model_safetensors),
+                           created=time.time(), status="ready")
+        result = self.registry.register(card)
+        if result.outcome != "created":
+            return self._existing(result.card, aid, msg.call_id)
+        self.deleting.discard(aid)
+        log.info("adapter_registered", adapter=aid, tenant=tenant, rank=card.rank, bytes=card.bytes)
+        # Lay it out for the workers now: the first request that uses it needs no disk read.
+        try:
+            checked.weights.name = aid
+            self.arena.put(aid, pack_adapter(checked.weights, self.model, self.slot_width, self.dtype))
+        except ArenaFull as e:
+            log.info("arena_skip_on_register", adapter=aid, reason=str(e))
+        return AdapterRegistered(self._with_residency(result.card), created=True, call_id=msg.call_id)
+
+    def _existing(self, current: AdapterCard | None, aid: str, call_id: str) -> AdapterRegistered:
+        if current is None or current.id != aid:
+            raise StoreRefusal(409, "adapter_exists", f"adapter {current.name if current else ''!r} already exists "
+                               "with other content; delete it first or choose another name", "name")
+        return AdapterRegistered(self._with_residency(current), created=False, call_id=call_id)
+
+    def get(self, msg: GetAdapter) -> AdapterCard:
+        card = self.registry.lookup(check_tenant(msg.tenant), check_name(msg.name))
+        if card is None:
+            raise not_found(msg.name)
+        card = self._with_residency(card)
+        card.call_id = msg.call_id
+        return card
+
+    def list(self, msg: ListAdapters) -> AdapterList:
+        cards = self.registry.list(check_tenant(msg.tenant), all_tenants=msg.all_tenants)
+        return AdapterList([self._with_residency(c) for c in cards], call_id=msg.call_id)
+
+    def delete(self, msg: DeleteAdapter) -> AdapterDeleted:
+        tenant, name = check_tenant(msg.tenant), check_name(msg.name)
+        aid = self.registry.mark_deleted(tenant, name)
+        if aid is None:
+            raise not_found(name)
+        log.info("adapter_unlisted", adapter=aid, tenant=tenant)
+        self.deleting.add(aid)
+        self._finish_delete_if_unpinned(aid)
+        return AdapterDeleted(name, tenant, call_id=msg.call_id)
+
+    def _finish_delete_if_unpinned(self, aid: str) -> None:
+        if self.arena.drop(aid):
+            self.deleting.discard(aid)
+            self._purge(aid)
+
+    def _purge(self, aid: str) -> None:
+        card = self.registry.by_id(aid)
+        remaining = self.registry.purge(aid)
+        if remaining == 0 and card is not None:
+            self.blobs.delete(card.sha256)
+        if remaining >= 0:
+            log.info("adapter_deleted", adapter=aid, blob_dropped=remaining == 0)
+
+    def _with_residency(self, card: AdapterCard) -> AdapterCard:
+        card.host_resident = card.id in self.arena
+        return card
+
+    # ------------------------------------------------------------------ workers
+    def acquire(self, msg: AcquireAdapter) -> AdapterLocation:
+        entry = self.arena.get(msg.adapter)
+        if entry is None:
+            self.load(msg.adapter)
+        entry = self.arena.acquire(msg.adapter, msg.worker_id)
+        return AdapterLocation(
+            adapter=msg.adapter, segment=self.arena.name, offset=entry.offset, nbytes=entry.nbytes,
+            dtype=entry.dtype, shape=list(entry.shape), ranks=list(entry.ranks), a_off=list(entry.a_off),
+            b_off=list(entry.b_off), call_id=msg.call_id,
+        )
+
+    def release(self, msg: ReleaseAdapter) -> Ack | None:
+        try:
+            entry = self.arena.release(msg.adapter, msg.worker_id)
+        except KeyError:
+            raise StoreRefusal(409, "not_acquired", f"adapter {msg.adapter!r} is not acquired by worker {msg.worker_id!r}", "adapter") from None
+        if msg.adapter in self.deleting and not entry.pinned:
+            self._finish_delete_if_unpinned(msg.adapter)
+        return Ack(msg.call_id) if msg.call_id else None
+
+    def release_worker(self, msg: ReleaseWorker) -> Ack | None:
+        """Drop every pin of a worker that died (the launcher restarts it with an empty pool)."""
+        held = self.arena.release_worker(msg.worker_id)
+        log.info("worker_pins_released", worker=msg.worker_id, adapters=len(held))
+        for aid in held:
+            if aid in self.deleting:
+                self._finish_delete_if_unpinned(aid)
+        return Ack(msg.call_id) if msg.call_id else None
+
+    def load(self, aid: str, keep: frozenset[str] = frozenset()) -> None:
+        """Read an adapter's blob, check it and lay its rows into the arena."""
+        card = self.registry.by_id(aid)
+        if card is None:
+            raise not_found(aid, "adapter")
+        try:
+            config_json, model_st = self.blobs.read(card.sha256)
+        except (OSError, ValueError) as e:
+            log.error("blob_unreadable", adapter=aid, sha256=card.sha256, error=str(e))
+            raise StoreRefusal(500, "blob_unreadable", f"stored content of adapter {aid!r} cannot be read") from None
+        checked = check_content(config_json, model_st, self.model, self.cfg.max_rank)
+        checked.weights.name = aid
+        packed = pack_adapter(checked.weights, self.model, self.slot_width, self.dtype)
+        try:
+            self.arena.put(aid, packed, keep=keep)
+        except ArenaFull as e:
+            raise StoreRefusal(507, "arena_full", str(e), "adapter") from None
+        log.info("adapter_loaded", adapter=aid, bytes=packed.nbytes)
+
+    def warm(self, msg: WarmAdapters) -> Ack | None:
+        """With a call_id: load now and answer; without: queue, loaded while the store is idle.
+        Hints are in priority order; a load never evicts a more urgent hinted adapter."""
+        plan = [(aid, frozenset(msg.adapters[:i])) for i, aid in enumerate(msg.adapters)]
+        if msg.call_id:
+            for aid, keep in plan:
+                if not self._warm_one(aid, keep):
+                    break
+            return Ack(msg.call_id)
+        # A newer hint supersedes the previous one.
+        self.warm_queue = deque((aid, keep) for aid, keep in plan if aid not in self.arena)
+        return None
+
+    def _warm_one(self, aid: str, keep: frozenset[str]) -> bool:
+        """Load one hinted adapter; False when the arena has no room left for it (stop warming)."""
+        if aid in self.arena:
+            return True
+        try:
+            self.load(aid, keep=keep)
+        except StoreRefusal as e:
+            log.info("warm_skipped", adapter=aid, code=e.code, reason=e.message)
+            return e.code != "arena_full"
+        return True
+
+    def warm_step(self) -> bool:
+        """Load the next queued hint; True while more remain."""
+        if not self.warm_queue:
+            return False
+        aid, keep = self.warm_queue.popleft()
+        if not self._warm_one(aid, keep):
+            self.warm_queue.clear()
+        return bool(self.warm_queue)

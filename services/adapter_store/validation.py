@@ -1,0 +1,145 @@
+"""Checks on everything a client hands the store, before a byte of it is stored.
+
+Names and tenants follow one pattern (lowercase, no path separators, cannot start with a dot). Uploads are
+capped in bytes. Server-side paths must resolve, symlinks included, to a folder under the allow-listed
+root, and so must the two files read from it. Content is parsed by shared/adapter_format.py (safetensors
+only, never pickle) against the base model's geometry.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.lora_weights import LoraWeights
+from shared.model_config import MODULES, ModelConfig
+
+from .errors import StoreRefusal, bad_request
+
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+CONFIG_FILE = "adapter_config.json"
+MODEL_FILE = "adapter_model.safetensors"
+# Formats that unpickle on load: refused by name so the client learns why, not just "bad safetensors".
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "pytorch_model.bin")
+
+
+def check_name(name: object, param: str = "name") -> str:
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise bad_request("invalid_name", f"{param} must match {NAME_PATTERN.pattern} (got {str(name)[:80]!r})", param)
+    return name
+
+
+def check_tenant(tenant: object) -> str:
+    """"" is the shared namespace; any other tenant follows the name pattern."""
+    if tenant == "":
+        return ""
+    return check_name(tenant, "tenant")
+
+
+def check_upload_size(config_json: bytes, model_safetensors: bytes, limit: int) -> None:
+    total = len(config_json) + len(model_safetensors)
+    if total > limit:
+        raise StoreRefusal(413, "adapter_too_large", f"adapter is {total} bytes; the limit is {limit} bytes", "adapter_model")
+
+
+def looks_like_pickle(data: bytes) -> bool:
+    # A pickle starts with the PROTO opcode 0x80; torch.save writes a zip archive ("PK\x03\x04").
+    return data[:1] == b"\x80" or data[:4] == b"PK\x03\x04"
+
+
+def canonical_config(config_json: bytes) -> bytes:
+    """adapter_config.json re-serialized with sorted keys, so formatting alone never changes identity."""
+    try:
+        parsed = json.loads(config_json)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request("invalid_adapter_config", f"{CONFIG_FILE} is not valid JSON: {e}", "adapter_config") from None
+    if not isinstance(parsed, dict):
+        raise bad_request("invalid_adapter_config", f"{CONFIG_FILE} must be a JSON object", "adapter_config")
+    try:
+        return json.dumps(parsed, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        raise bad_request("invalid_adapter_config", f"{CONFIG_FILE} contains NaN or Infinity", "adapter_config") from None
+
+
+def resolve_under_root(path: str, allowed_root: str) -> Path:
+    """The real folder a client-given path names, refused unless it lies under the allowed root."""
+    if not allowed_root:
+        raise StoreRefusal(400, "path_registration_disabled", "registering from a server path is not enabled", "path")
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise bad_request("invalid_path", "path must be a non-empty string", "path")
+    if ".." in Path(path).parts:
+        raise bad_request("invalid_path", "path must not contain '..'", "path")
+    root = Path(allowed_root).resolve(strict=True)
+    candidate = Path(path) if Path(path).is_absolute() else root / path
+    try:
+        real = candidate.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise bad_request("invalid_path", f"path {path!r} does not exist under the allowed root", "path") from None
+    if not real.is_relative_to(root):
+        raise bad_request("invalid_path", f"path {path!r} is outside the allowed root", "path")
+    if not real.is_dir():
+        raise bad_request("invalid_path", f"path {path!r} is not a folder", "path")
+    return real
+
+
+def read_adapter_dir(folder: Path, root: str, limit: int) -> tuple[bytes, bytes]:
+    """The two adapter files of a folder under the root, each checked for escapes and size before reading."""
+    real_root = Path(root).resolve(strict=True)
+    if not (folder / MODEL_FILE).exists():
+        pickled = [p for p in PICKLE_FILES if (folder / p).exists()]
+        if pickled:
+            raise bad_request("pickle_refused", f"{pickled[0]} is a pickle format and is never loaded; provide {MODEL_FILE}", "path")
+    contents = []
+    budget = limit
+    for fname in (CONFIG_FILE, MODEL_FILE):
+        p = folder / fname
+        try:
+            real = p.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise bad_request("invalid_adapter", f"{fname} is missing from the adapter folder", "path") from None
+        if not real.is_relative_to(real_root):
+            raise bad_request("invalid_path", f"{fname} links outside the allowed root", "path")
+        # O_NOFOLLOW: the file cannot be swapped for a symlink between the check above and the open.
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise bad_request("invalid_adapter", f"{fname} is not a regular file", "path")
+            if st.st_size > budget:
+                raise StoreRefusal(413, "adapter_too_large", f"adapter files exceed the limit of {limit} bytes", "path")
+            data = f.read(budget + 1)
+        if len(data) > budget:
+            raise StoreRefusal(413, "adapter_too_large", f"adapter files exceed the limit of {limit} bytes", "path")
+        budget -= len(data)
+        contents.append(data)
+    return contents[0], contents[1]
+
+
+@dataclass
+class CheckedAdapter:
+    """Content that passed every check: the canonical config, the safetensors bytes and what they hold."""
+
+    config_json: bytes
+    model_safetensors: bytes
+    weights: LoraWeights
+    rank: int
+    target_modules: list[str]
+
+
+def check_content(config_json: bytes, model_safetensors: bytes, cfg: ModelConfig, max_rank: int) -> CheckedAdapter:
+    from shared.adapter_format import AdapterError, load_adapter_bytes
+
+    if looks_like_pickle(model_safetensors):
+        raise bad_request("pickle_refused", "adapter_model is a pickle/torch.save file; only safetensors is accepted", "adapter_model")
+    canonical = canonical_config(config_json)
+    try:
+        weights = load_adapter_bytes(canonical, model_safetensors, cfg, max_rank)
+    except AdapterError as e:
+        raise bad_request("invalid_adapter", str(e), "adapter_model") from None
+    targets = [m for m in MODULES if weights.module_rank(m) > 0]
+    if not targets:
+        raise bad_request("invalid_adapter", "adapter adapts no module", "adapter_model")
+    return CheckedAdapter(canonical, model_safetensors, weights, weights.max_rank, targets)

@@ -1,0 +1,150 @@
+"""The shared-memory arena: LRU eviction by bytes, pins, compaction, and readers in other processes."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import uuid
+from multiprocessing import shared_memory
+
+import pytest
+import torch
+
+from services.adapter_store.arena import ARENA_ALIGN, Arena, ArenaFull
+from services.adapter_store.arena_reader import location_rows
+from services.gpu_worker.adapter_layout import PackedAdapter
+from shared.wire import AdapterLocation
+
+from .conftest import REPO
+
+# One "unit" adapter: 1 layer x 2 x 4 slots x 16 float32 = 512 bytes = two alignment units.
+UNIT = 512
+
+
+def packed(name: str, units: int = 1, fill: float | None = None, dtype=torch.float32) -> PackedAdapter:
+    n_slots = 4 * units
+    g = torch.Generator().manual_seed(hash(name) % 2**31)
+    rows = torch.randn(1, 2, n_slots, 16, generator=g).to(dtype) if fill is None else torch.full((1, 2, n_slots, 16), fill, dtype=dtype)
+    return PackedAdapter(name, rows, (4,) + (0,) * 6, (0,) * 7, (0,) * 7)
+
+
+@pytest.fixture
+def arena():
+    a = Arena(4 * UNIT, name=f"lpx-test-{uuid.uuid4().hex[:10]}")
+    yield a
+    a.close()
+
+
+def test_adapters_are_contiguous_and_read_back_exactly(arena):
+    a, b = packed("a"), packed("b", dtype=torch.bfloat16)
+    ea, eb = arena.put("a", a), arena.put("b", b)
+    assert (ea.offset, ea.nbytes, eb.offset, eb.nbytes) == (0, UNIT, UNIT, UNIT // 2)
+    assert eb.dtype == "bfloat16" and eb.shape == (1, 2, 4, 16)
+    assert torch.equal(arena.rows("a"), a.rows) and torch.equal(arena.rows("b"), b.rows)
+    assert arena.put("a", packed("a", fill=9.0)) is ea  # already resident: not reloaded
+    assert arena.loads == 2
+
+
+def test_least_recently_used_adapters_are_evicted_first_by_bytes(arena):
+    for name in ("a", "b", "c", "d"):
+        arena.put(name, packed(name))
+    assert arena.used_bytes == arena.capacity
+    arena.get("a")  # a is now the most recently used
+    arena.put("e", packed("e", units=2))  # needs two units: evicts b and c, the two oldest
+    assert arena.adapters == ["d", "a", "e"]
+    assert arena.evictions == 2
+    assert torch.equal(arena.rows("a"), packed("a").rows)
+
+
+def test_pinned_adapters_are_never_evicted(arena):
+    for name in ("a", "b", "c", "d"):
+        arena.put(name, packed(name))
+    for name in ("a", "b", "c"):
+        arena.acquire(name, "w0")
+    arena.put("e", packed("e"))  # only d is unpinned
+    assert arena.adapters == ["a", "b", "c", "e"]
+    arena.acquire("e", "w1")
+    with pytest.raises(ArenaFull, match="pinned"):
+        arena.put("f", packed("f"))
+    arena.release("b", "w0")
+    arena.put("f", packed("f"))
+    assert "b" not in arena and "a" in arena and "e" in arena and torch.equal(arena.rows("a"), packed("a").rows)
+    with pytest.raises(ArenaFull, match="arena holds"):
+        arena.put("huge", packed("huge", units=5))
+
+
+def test_pins_are_counted_per_worker_and_a_dead_workers_pins_can_be_dropped(arena):
+    arena.put("a", packed("a"))
+    arena.acquire("a", "w0")
+    arena.acquire("a", "w0")
+    arena.acquire("a", "w1")
+    arena.release("a", "w0")
+    assert arena.drop("a") is False
+    assert arena.release_worker("w0") == ["a"]
+    with pytest.raises(KeyError):
+        arena.release("a", "w0")
+    arena.release("a", "w1")
+    assert arena.drop("a") is True and "a" not in arena
+
+
+def test_fragmented_free_space_is_compacted_instead_of_evicting(arena):
+    for name in ("a", "b", "c", "d"):
+        arena.put(name, packed(name))
+    arena.acquire("a", "w0")  # a must stay where it is
+    arena.drop("b")
+    arena.drop("d")
+    # Two free units, not adjacent: [b's hole][c][d's hole]. Compaction slides c down.
+    e = arena.put("e", packed("e", units=2))
+    assert arena.evictions == 0
+    assert arena.get("a").offset == 0 and arena.get("c").offset == UNIT and e.offset == 2 * UNIT
+    for name in ("a", "c", "e"):
+        assert torch.equal(arena.rows(name), packed(name, units=2 if name == "e" else 1).rows)
+
+
+def test_prefetch_never_evicts_a_more_urgent_hinted_adapter(arena):
+    for name in ("a", "b", "c", "d"):
+        arena.put(name, packed(name))
+    with pytest.raises(ArenaFull):
+        arena.put("e", packed("e", units=2), keep=frozenset({"a", "b", "c", "d"}))
+    arena.put("e", packed("e"), keep=frozenset({"a", "c", "d"}))
+    assert arena.adapters == ["a", "c", "d", "e"]
+
+
+READER = """
+import hashlib, sys
+from services.adapter_store.arena_reader import attach_arena, location_rows
+from shared.wire import AdapterLocation
+shm = attach_arena(sys.argv[1])
+loc = AdapterLocation("a", sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "float32", [1, 2, 4, 16], [4]+[0]*6, [0]*7, [0]*7)
+rows = location_rows(shm, loc)
+print(hashlib.sha256(rows.numpy().tobytes()).hexdigest())
+del rows
+shm.close()
+"""
+
+
+def test_a_reader_process_sees_identical_bytes_and_its_exit_leaves_the_segment(arena):
+    a = packed("a")
+    entry = arena.put("a", a)
+    for _ in range(2):  # the second reader proves the first one's exit did not unlink the segment
+        out = subprocess.run([sys.executable, "-c", READER, arena.name, str(entry.offset), str(entry.nbytes)],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == hashlib.sha256(a.rows.numpy().tobytes()).hexdigest()
+        assert "leaked shared_memory" not in out.stderr
+    shm = shared_memory.SharedMemory(name=arena.name)  # still there
+    shm.close()
+
+
+def test_reader_view_in_this_process_is_zero_copy(arena):
+    arena.put("a", packed("a"))
+    e = arena.get("a")
+    # Same process as the owner: attach plainly (attach_arena's tracker unregistration is for other processes).
+    shm = shared_memory.SharedMemory(name=arena.name)
+    loc = AdapterLocation("a", arena.name, e.offset, e.nbytes, e.dtype, list(e.shape), list(e.ranks), list(e.a_off), list(e.b_off))
+    rows = location_rows(shm, loc)
+    assert torch.equal(rows, packed("a").rows)
+    arena._bytes[e.offset:e.offset + 4] = 0  # a write by the owner is visible through the reader's view
+    assert rows.reshape(-1)[0].item() == 0.0
+    del rows
+    shm.close()
