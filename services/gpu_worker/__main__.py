@@ -1,0 +1,74 @@
+"""`python -m services.gpu_worker --model DIR | --dummy-weights CONFIG [options]`: one worker process."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import zmq
+
+from shared.config import EngineConfig
+from shared.log import configure_logging, get_logger
+from shared.model_config import ModelConfig
+
+from .arena_client import ArenaAdapterLoader, ArenaSegments, StoreClient
+from .service import WorkerService, install_signal_handlers
+from .worker_config import WorkerConfig, parse_args
+
+log = get_logger(__name__)
+
+
+def engine_class(tp: int):
+    """Engine for one device, or the tensor-parallel engine (same API) across `tp` devices."""
+    if tp == 1:
+        from .engine import Engine
+        return Engine
+    try:
+        from .tp import TPEngine
+    except ImportError as e:
+        raise SystemExit(f"--tp {tp}: tensor parallelism is not available yet in this build ({e})") from None
+    return TPEngine
+
+
+def build_engine(worker: WorkerConfig, engine: EngineConfig, loader):
+    cls = engine_class(worker.tp)
+    kw = {"adapter_loader": loader, "backend": worker.backend}
+    if worker.tp > 1:
+        kw["tp"] = worker.tp
+    if worker.model:
+        return cls.from_model_dir(worker.model, engine, **kw)
+    path = Path(worker.dummy_weights)
+    return cls.with_dummy_weights(ModelConfig.from_dir(path if path.is_dir() else path.parent), engine, **kw)
+
+
+def model_geometry(worker: WorkerConfig) -> ModelConfig:
+    path = Path(worker.model or worker.dummy_weights)
+    return ModelConfig.from_dir(path if path.is_dir() else path.parent)
+
+
+def main(argv: list[str] | None = None) -> int:
+    worker, engine_config = parse_args(argv)
+    configure_logging()
+    ctx = zmq.Context()
+    cfg = model_geometry(worker)
+    device = torch.device(engine_config.device)
+    segments = ArenaSegments(register_with_cuda=device.type == "cuda")
+    store = StoreClient(ctx, worker.store_addr, worker.worker_id, worker.acquire_timeout_s)
+    loader = ArenaAdapterLoader(store, segments, cfg.num_layers, cfg.kv_dim)
+    engine = build_engine(worker, engine_config, loader)
+    service = WorkerService(worker, engine, loader, ctx)
+    install_signal_handlers(service)
+    log.info("worker.started", worker=worker.worker_id, device=str(device), slots=engine.pool.num_slots,
+             model=worker.model or worker.dummy_weights)
+    try:
+        service.run()
+    finally:
+        service.close()
+        store.close()
+        segments.close()
+        ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""The worker's side of the host adapter arena: acquire an adapter from the adapter_store and view its
+rows in shared memory without copying them.
+
+The store answers AcquireAdapter with where the adapter's pool-format rows sit in its shared-memory arena;
+the bytes stay put until the matching ReleaseAdapter. The worker maps each arena segment once for its
+whole life (the views handed to the engine export the segment's buffer, so it could not be closed early
+anyway) and, on CUDA, registers it as pinned memory so the engine's host-to-device copy is a DMA transfer
+at full bandwidth instead of a staged pageable copy.
+
+Acquires are asynchronous underneath: a prefetch hint starts one and the loop goes on stepping while the
+store reads the adapter from disk; the engine's own (blocking) load of that adapter then finds it done.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+import uuid
+
+import torch
+import zmq
+
+from services.adapter_store.arena_reader import attach_arena, location_packed
+from shared.log import get_logger
+from shared.model_config import MODULES
+from shared.wire import (AcquireAdapter, AdapterLocation, Message, ReleaseAdapter, ReleaseWorker, StoreError,
+                         WireError, decode, encode)
+
+from .adapter_layout import PackedAdapter
+
+log = get_logger(__name__)
+
+
+class AdapterUnavailable(ValueError):
+    """The store could not hand out an adapter (down, timed out, arena full). The engine fails the request
+    that needed it with this message; it is a ValueError so the engine treats it like any bad adapter."""
+
+
+class ArenaSegments:
+    """Arena segments mapped into this process, each attached once and kept until close()."""
+
+    def __init__(self, register_with_cuda: bool):
+        self.register_with_cuda = register_with_cuda
+        self._segments: dict = {}
+        self._registered: list[int] = []
+
+    def get(self, name: str):
+        shm = self._segments.get(name)
+        if shm is None:
+            try:
+                shm = attach_arena(name)
+            except FileNotFoundError:
+                raise AdapterUnavailable(f"arena segment {name!r} does not exist on this host") from None
+            self._segments[name] = shm
+            if self.register_with_cuda:
+                self._pin(name, shm)
+        return shm
+
+    def _pin(self, name: str, shm) -> None:
+        """cudaHostRegister the whole segment; failure only costs bandwidth, so it is logged, not fatal."""
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(ptr, shm.size, 0)
+        except Exception as e:  # no CUDA runtime bindings in this build
+            log.warning("arena.pin_failed", segment=name, error=str(e))
+            return
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            log.warning("arena.pin_failed", segment=name, cuda_error=code)
+            return
+        self._registered.append(ptr)
+        log.info("arena.pinned", segment=name, bytes=shm.size)
+
+    def close(self) -> None:
+        for ptr in self._registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            except Exception:
+                pass
+        self._registered.clear()
+        for shm in self._segments.values():
+            try:
+                shm.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with the process
+        self._segments.clear()
+
+
+class StoreClient:
+    """AcquireAdapter / ReleaseAdapter over one DEALER socket, used only from the worker's loop thread.
+
+    Calls are started with `start` and collected with `wait` (blocking) or `poll` (not blocking), so several
+    can be in flight at once.
+    """
+
+    def __init__(self, ctx: zmq.Context, addr: str, worker_id: str, timeout_s: float):
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.results: dict[str, Message] = {}
+        self.in_flight: dict[str, str] = {}  # call_id -> adapter
+        self.abandoned: set[str] = set()  # calls that timed out; their late pins are given back
+        # A fresh process holds no pins, whatever an earlier process of this worker id held; said before
+        # any acquire on this socket, so the store cannot drop a pin taken by this process.
+        self.sock.send_multipart(encode(ReleaseWorker(worker_id=worker_id)))
+
+    def start(self, adapter: str) -> str:
+        call_id = uuid.uuid4().hex
+        self.sock.send_multipart(encode(AcquireAdapter(adapter=adapter, worker_id=self.worker_id, call_id=call_id)))
+        self.in_flight[call_id] = adapter
+        return call_id
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Collect the replies that are here (waiting up to timeout_s for the first)."""
+        wait_ms = int(timeout_s * 1000)
+        while self.sock.poll(wait_ms):
+            wait_ms = 0
+            try:
+                reply = decode(self.sock.recv_multipart(copy=False))
+            except WireError as e:
+                log.error("store.bad_reply", error=str(e))
+                continue
+            call_id = getattr(reply, "call_id", "")
+            adapter = self.in_flight.pop(call_id, None)
+            if adapter is None:
+                continue
+            if call_id in self.abandoned:
+                self.abandoned.discard(call_id)
+                if isinstance(reply, AdapterLocation):
+                    self.release(adapter)  # answer to a call that timed out: nobody holds this pin
+                continue
+            self.results[call_id] = reply
+
+    def wait(self, call_id: str) -> AdapterLocation:
+        deadline = time.monotonic() + self.timeout_s
+        while call_id not in self.results:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.abandoned.add(call_id)
+                raise AdapterUnavailable(f"adapter store did not answer within {self.timeout_s:g}s")
+            self.poll(left)
+        return self.result(call_id)
+
+    def result(self, call_id: str) -> AdapterLocation:
+        reply = self.results.pop(call_id)
+        if isinstance(reply, AdapterLocation):
+            return reply
+        if isinstance(reply, StoreError):
+            if reply.status == 404:
+                raise KeyError(reply.message)
+            raise AdapterUnavailable(reply.message)
+        raise AdapterUnavailable(f"unexpected reply {type(reply).__name__} to AcquireAdapter")
+
+    def release(self, adapter: str) -> None:
+        # No call_id: the store does not answer, so the loop never waits on a release.
+        self.sock.send_multipart(encode(ReleaseAdapter(adapter=adapter, worker_id=self.worker_id)))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class ArenaAdapterLoader:
+    """The engine's `adapter_loader`: adapter id -> PackedAdapter whose rows are the arena bytes.
+
+    Invariant: this worker holds exactly one store pin per entry of `pinned`. `release_evicted` drops the
+    pins of adapters the engine no longer holds in its pool (and of prefetched ones never used in time),
+    so the store may evict or delete them.
+    """
+
+    def __init__(self, store: StoreClient, segments: ArenaSegments, num_layers: int, slot_width: int,
+                 prefetch_ttl_s: float = 30.0, clock=time.monotonic):
+        self.store = store
+        self.segments = segments
+        self.num_layers = num_layers
+        self.slot_width = slot_width
+        self.prefetch_ttl_s = prefetch_ttl_s
+        self.clock = clock
+        # The engine may ask again for an adapter it could not fit yet; the pinned bytes have not moved,
+        # so the same view is handed out without a second pin.
+        self.pinned: dict[str, PackedAdapter] = {}
+        self.pending: dict[str, str] = {}  # adapter -> call_id of a prefetch acquire not answered yet
+        self.prefetched: dict[str, float] = {}  # adapter -> time its unused prefetch pin lapses
+
+    def __call__(self, adapter: str) -> PackedAdapter:
+        packed = self.pinned.get(adapter)
+        if packed is None:
+            call_id = self.pending.pop(adapter, None) or self.store.start(adapter)
+            packed = self._pin(adapter, self.store.wait(call_id))
+        self.prefetched.pop(adapter, None)
+        return packed
+
+    def prefetch(self, adapter: str) -> None:
+        """Start acquiring an adapter without waiting; `collect` picks up the answer."""
+        if adapter not in self.pinned and adapter not in self.pending:
+            self.pending[adapter] = self.store.start(adapter)
+
+    def collect(self) -> list[str]:
+        """Pin the prefetches the store has answered; returns the adapters now ready to copy."""
+        if not self.pending:
+            return []
+        self.store.poll(0.0)
+        ready = []
+        for adapter, call_id in list(self.pending.items()):
+            if call_id not in self.store.results:
+                continue
+            del self.pending[adapter]
+            try:
+                self._pin(adapter, self.store.result(call_id))
+            except (KeyError, ValueError) as e:
+                log.info("worker.prefetch_failed", adapter=adapter, error=str(e))
+                continue
+            self.prefetched[adapter] = self.clock() + self.prefetch_ttl_s
+            ready.append(adapter)
+        return ready
+
+    def _pin(self, adapter: str, loc: AdapterLocation) -> PackedAdapter:
+        try:
+            packed = location_packed(self.segments.get(loc.segment), self._checked(loc))
+        except Exception:
+            self.store.release(adapter)
+            raise
+        self.pinned[adapter] = packed
+        return packed
+
+    def _checked(self, loc: AdapterLocation) -> AdapterLocation:
+        """Refuse a location that does not fit this engine, instead of reading garbage rows."""
+        shm = self.segments.get(loc.segment)
+        problems = []
+        if len(loc.shape) != 4 or loc.shape[0] != self.num_layers or loc.shape[1] != 2 or loc.shape[3] != self.slot_width:
+            problems.append(f"rows shape {loc.shape} is not [{self.num_layers}, 2, n, {self.slot_width}]")
+        dtype = getattr(torch, loc.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            problems.append(f"unknown dtype {loc.dtype!r}")
+        else:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            count = 1
+            for d in loc.shape:
+                count *= d
+            if count * itemsize != loc.nbytes:
+                problems.append(f"{loc.nbytes} bytes do not hold shape {loc.shape} of {loc.dtype}")
+            if loc.offset % itemsize:
+                problems.append(f"offset {loc.offset} is not aligned to {loc.dtype}")
+        if loc.offset < 0 or loc.offset + loc.nbytes > shm.size:
+            problems.append(f"bytes [{loc.offset}, {loc.offset + loc.nbytes}) lie outside the arena ({shm.size} bytes)")
+        if not (len(loc.ranks) == len(loc.a_off) == len(loc.b_off) == len(MODULES)):
+            problems.append(f"ranks/a_off/b_off need {len(MODULES)} entries each")
+        if problems:
+            raise AdapterUnavailable(f"arena location of {loc.adapter!r} is unusable: {'; '.join(problems)}")
+        return loc
+
+    def release_evicted(self, resident) -> list[str]:
+        """Release every pinned adapter no longer resident in the engine's pool (prefetched ones once
+        their grace period lapses unused)."""
+        now = self.clock()
+        gone = [a for a in self.pinned if a not in resident and self.prefetched.get(a, now) <= now]
+        for adapter in gone:
+            del self.pinned[adapter]
+            self.prefetched.pop(adapter, None)
+            self.store.release(adapter)
+        return gone
+
+    def release_all(self) -> None:
+        for adapter in self.pinned:
+            self.store.release(adapter)
+        self.pinned.clear()
+        self.prefetched.clear()
