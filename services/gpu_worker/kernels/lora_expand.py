@@ -1,0 +1,210 @@
+"""LoRA expand on the unified pool: out[t, cols of module g] += y[g, t, :r] @ (scaled B_g)ᵀ, in place, for
+every module of a fused group (q,k,v or gate,up: `out_dims` column groups of one output) in one launch.
+
+Programs own disjoint output tiles, so the in-place add needs no atomics. Forms as in lora_shrink.py:
+per token (decode, MBGMV; a GEMV over the rank on CUDA cores) and segment (tokens sharing an adapter as
+tl.dot tiles, each Bᵀ tile read from memory once per segment). Base-only tokens and rank-0 modules return
+before reading anything, so a base-only batch costs one near-empty launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.meta import LoraTables
+from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor, require
+from .lora_rows import check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot
+
+
+@triton.jit
+def _expand_token_kernel(
+    y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, token_adapter_ptr,
+    slots_ptr, stride_slots, ranks_ptr, b_off_ptr,
+    out_ptr, stride_ot, W, y_rank,
+    M0, M1, M2, D0, D1, D2, C0, C1, C2,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
+):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    n0 = tl.program_id(2) * BLOCK_N
+    out_dim = module_slot(g, D0, D1, D2)
+    a = tl.load(token_adapter_ptr + t)
+    if (a < 0) | (n0 >= out_dim):
+        return
+    m = module_slot(g, M0, M1, M2)
+    rank = tl.minimum(tl.load(ranks_ptr + a * 7 + m), y_rank)
+    if rank == 0:
+        return
+    first = tl.load(b_off_ptr + a * 7 + m)
+    list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
+    n_chunks = (out_dim + W - 1) // W
+    y_row = y_ptr + g.to(tl.int64) * stride_yg + t.to(tl.int64) * stride_yt
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_mask = rows < rank
+        yv = tl.load(y_row + rows, mask=row_mask, other=0.0).to(tl.float32)
+        w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W, n_chunks,
+                              BLOCK_N, ALIGNED, EVEN)
+        acc += tl.sum(w.to(tl.float32) * yv[:, None], axis=0)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    o_ptr = out_ptr + t.to(tl.int64) * stride_ot + module_slot(g, C0, C1, C2) + cols
+    if EVEN:
+        o = tl.load(o_ptr)
+        tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty))
+    else:
+        o = tl.load(o_ptr, mask=cols < out_dim, other=0.0)
+        tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=cols < out_dim)
+
+
+@triton.jit
+def _expand_segment_kernel(
+    y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+    slots_ptr, stride_slots, ranks_ptr, b_off_ptr,
+    out_ptr, stride_ot, W, y_rank, chunk_tokens, n_n_tiles,
+    M0, M1, M2, D0, D1, D2, C0, C1, C2,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
+):
+    s = tl.program_id(0)
+    g = tl.program_id(2) // n_n_tiles
+    n0 = (tl.program_id(2) % n_n_tiles) * BLOCK_N
+    out_dim = module_slot(g, D0, D1, D2)
+    a = tl.load(seg_adapter_ptr + s)
+    if (a < 0) | (n0 >= out_dim):
+        return
+    m = module_slot(g, M0, M1, M2)
+    rank = tl.minimum(tl.load(ranks_ptr + a * 7 + m), y_rank)
+    seg_end = tl.load(seg_start_ptr + s + 1)
+    p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
+    p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
+    if (rank == 0) | (p_lo >= p_hi):
+        return
+    first = tl.load(b_off_ptr + a * 7 + m)
+    list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
+    n_chunks = (out_dim + W - 1) // W
+    y_base = y_ptr + g.to(tl.int64) * stride_yg
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_base = module_slot(g, C0, C1, C2) + cols
+    for p0 in range(p_lo, p_hi, BLOCK_M):
+        pos = p0 + tl.arange(0, BLOCK_M)
+        p_mask = pos < p_hi
+        if HAS_ORDER:
+            tok = tl.load(order_ptr + pos, mask=p_mask, other=0)
+        else:
+            tok = pos
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            row_mask = rows < rank
+            yt = tl.load(y_base + tok.to(tl.int64)[:, None] * stride_yt + rows[None, :],
+                         mask=p_mask[:, None] & row_mask[None, :], other=0.0)
+            w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W, n_chunks,
+                                  BLOCK_N, ALIGNED, EVEN)
+            acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
+        o_ptr = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + col_base[None, :]
+        if EVEN:
+            mask = p_mask[:, None]
+        else:
+            mask = p_mask[:, None] & (cols < out_dim)[None, :]
+        o = tl.load(o_ptr, mask=mask, other=0.0)
+        tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_r: int
+    block_n: int
+    block_m: int = 16  # segment form only
+    chunk_tokens: int = 0  # segment form: tokens per program (0 = whole segment)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, ...], width: int, max_rank: int,
+                         device: torch.device, segmented: bool, max_seg_len: int | None = None,
+                         num_segments: int | None = None) -> ExpandConfig:
+    """Output tiles wide enough for long contiguous row reads, narrow enough to give every multiprocessor
+    work when few tokens are in the step."""
+    target = 4 * num_sms(device)
+    widest = max(out_dims)
+    units = num_segments if segmented and num_segments is not None else num_tokens
+    block_n = pow2_divisor(width, 128)
+    if block_n < 16:
+        block_n = 64
+    while block_n > 32 and units * num_groups * cdiv(widest, block_n) < target:
+        block_n //= 2
+    if segmented:
+        block_r = min(max(16, next_pow2(max_rank)), 32)
+        block_m, chunk = 16, 0
+        if max_seg_len is not None and max_seg_len > 64:
+            block_m, chunk = 64, 64
+        return ExpandConfig(block_r=block_r, block_n=block_n, block_m=block_m, chunk_tokens=chunk)
+    return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
+
+
+def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
+                modules: tuple[int, ...], out: torch.Tensor, out_dims: tuple[int, ...], *,
+                seg_start: torch.Tensor | None = None, seg_adapter: torch.Tensor | None = None,
+                token_order: torch.Tensor | None = None, max_seg_len: int | None = None,
+                config: ExpandConfig | None = None) -> None:
+    """Same contract as ops.reference.lora_expand (in place on `out`); segment arguments as lora_shrink."""
+    check_tensor("y", y, ndim=3, dtypes=FLOAT_DTYPES)
+    device = y.device
+    check_pool_buffer("v_buf", v_buf, device)
+    check_tensor("token_adapter", token_adapter, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    check_tables(tables, device)
+    modules = check_modules(modules)
+    check_tensor("out", out, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    out_dims = tuple(int(d) for d in out_dims)
+    num_groups = len(modules)
+    num_tokens = out.shape[0]
+    require(len(out_dims) == num_groups, f"out_dims {out_dims} must give one width per module of {modules}")
+    require(all(d > 0 for d in out_dims), f"out_dims must be positive, got {out_dims}")
+    require(sum(out_dims) == out.shape[1], f"out has {out.shape[1]} columns but out_dims sum to {sum(out_dims)}")
+    require(y.shape[0] == num_groups and y.shape[1] == num_tokens,
+            f"y must be [{num_groups}, {num_tokens}, max_rank], got {tuple(y.shape)}")
+    require(token_adapter.shape[0] == num_tokens,
+            f"token_adapter has {token_adapter.shape[0]} entries but out has {num_tokens} rows")
+    segmented = seg_start is not None
+    if segmented:
+        check_segments(num_tokens, device, seg_start, seg_adapter, token_order)
+    y_rank = y.shape[2]
+    if num_tokens == 0 or y_rank == 0:
+        return
+    width = v_buf.shape[1]
+    num_segments = seg_adapter.shape[0] if segmented else None
+    cfg = config or choose_expand_config(num_tokens, num_groups, out_dims, width, y_rank, device, segmented,
+                                         max_seg_len, num_segments)
+    aligned = width % cfg.block_n == 0 and cfg.block_n >= 16
+    even = all(d % cfg.block_n == 0 for d in out_dims)
+    n_tiles = cdiv(max(out_dims), cfg.block_n)
+    m0, m1, m2 = pad3(modules)
+    d0, d1, d2 = pad3(out_dims)
+    col_start = [sum(out_dims[:g]) for g in range(num_groups)]
+    c0, c1, c2 = pad3(tuple(col_start))
+    if not segmented:
+        _expand_token_kernel[(num_tokens, num_groups, n_tiles)](
+            y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), token_adapter,
+            tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
+            out, out.stride(0), width, y_rank,
+            m0, m1, m2, d0, d1, d2, c0, c1, c2,
+            BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    longest = max_seg_len if max_seg_len is not None else num_tokens
+    chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
+    n_seq_chunks = max(1, cdiv(longest, chunk))
+    require(n_seq_chunks <= 65535, f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
+    _expand_segment_kernel[(num_segments, n_seq_chunks, num_groups * n_tiles)](
+        y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), seg_start, seg_adapter,
+        token_order if token_order is not None else seg_start,
+        tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
+        out, out.stride(0), width, y_rank, chunk, n_tiles,
+        m0, m1, m2, d0, d1, d2, c0, c1, c2,
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
+        HAS_ORDER=token_order is not None, PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -1,0 +1,54 @@
+"""Group a step's tokens by adapter on the device, for the segment form of shrink/expand at decode.
+
+With tokens sorted by adapter, each adapter's rows are read from memory once per step instead of once per
+token. Everything here is a handful of torch ops with shapes fixed by the token count, so it needs no host
+synchronisation and can be captured in a CUDA graph; the engine runs it once per step and every layer's
+LoRA launches reuse the result.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checks import check_tensor
+
+
+@dataclass
+class AdapterGroups:
+    """token_order[p]: the token at sorted position p. Segment s covers positions seg_start[s] ...
+    seg_start[s+1] - 1, all using adapter seg_adapter[s] (-1 for base-only tokens). There are a fixed
+    number of segments (an upper bound); unused ones are empty and have adapter -1."""
+
+    token_order: torch.Tensor  # int32 [T]
+    seg_start: torch.Tensor  # int32 [S + 1]
+    seg_adapter: torch.Tensor  # int32 [S]
+
+    def kwargs(self) -> dict:
+        return {"seg_start": self.seg_start, "seg_adapter": self.seg_adapter, "token_order": self.token_order}
+
+
+def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | None = None) -> AdapterGroups:
+    """Sort tokens by adapter (stable) and cut the sorted order into runs of one adapter.
+
+    max_adapters (resident table rows; adapter ids lie in 0 .. max_adapters - 1) bounds the number of
+    distinct adapters, so at most max_adapters + 1 segments (the +1 for base-only tokens) are launched
+    instead of one per token."""
+    check_tensor("token_adapter", token_adapter, ndim=1, dtypes=(torch.int32,), contiguous=True)
+    device = token_adapter.device
+    num_tokens = token_adapter.shape[0]
+    num_segments = num_tokens if max_adapters is None else max(1, min(num_tokens, max_adapters + 1))
+    if num_tokens == 0:
+        empty = torch.zeros(1, dtype=torch.int32, device=device)
+        return AdapterGroups(empty[:0], empty, empty[:0])
+    sorted_adapter, order = torch.sort(token_adapter, stable=True)
+    is_start = torch.ones(num_tokens, dtype=torch.bool, device=device)
+    is_start[1:] = sorted_adapter[1:] != sorted_adapter[:-1]
+    seg_id = torch.cumsum(is_start, 0) - 1
+    positions = torch.arange(num_tokens, device=device)
+    # Non-start positions scatter into a dump entry past the end, so no boolean indexing (a host sync).
+    seg_start = torch.full((num_segments + 2,), num_tokens, dtype=torch.int64, device=device)
+    seg_start.scatter_(0, torch.where(is_start, seg_id, num_segments + 1), positions)
+    seg_adapter = torch.full((num_segments,), -1, dtype=torch.int32, device=device)
+    seg_adapter.scatter_(0, seg_id, sorted_adapter)
+    return AdapterGroups(order.to(torch.int32), seg_start[: num_segments + 1].to(torch.int32), seg_adapter)

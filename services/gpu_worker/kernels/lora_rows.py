@@ -1,0 +1,73 @@
+"""Adapter rows in the pool, as the LoRA kernels see them, and the argument checks they share.
+
+Row i of a module's A (in K buffers) or scaled Bᵀ (in V buffers) spans entries
+`first + i * n_chunks ... + n_chunks - 1` of the adapter's slot list, `n_chunks = ceil(len / W)`; element c of
+the row lives in slot `list[first + i * n_chunks + c // W]`, column `c % W` (see adapter_layout.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.meta import LoraTables
+from .checks import FLOAT_DTYPES, check_tensor, require
+
+
+@triton.jit
+def load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, c0, c_end, W, n_chunks,
+                      BLOCK_C: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr):
+    """Tile `[rows, c0 : c0 + BLOCK_C]` of adapter rows; masked rows and columns >= c_end read as 0.
+
+    ALIGNED (W % BLOCK_C == 0, c0 % BLOCK_C == 0): the tile never straddles a slot, so one slot id per row
+    and contiguous, vectorisable columns. EVEN: every column of the tile is < c_end, so the mask is
+    per row only and loads stay 16 bytes wide."""
+    cols = tl.arange(0, BLOCK_C)
+    entry = list_ptr + first + rows * n_chunks
+    if EVEN:
+        mask = row_mask[:, None]
+    else:
+        mask = row_mask[:, None] & ((c0 + cols) < c_end)[None, :]
+    if ALIGNED:
+        chunk = c0 // W
+        col0 = tl.multiple_of(c0 - chunk * W, BLOCK_C)
+        slot = tl.load(entry + chunk, mask=row_mask, other=0)
+        offs = slot.to(tl.int64)[:, None] * stride_buf + col0 + cols[None, :]
+    else:
+        chunk = (c0 + cols) // W
+        slot = tl.load(entry[:, None] + chunk[None, :], mask=mask, other=0)
+        offs = slot.to(tl.int64) * stride_buf + (c0 + cols - chunk * W)[None, :]
+    return tl.load(buf_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def module_slot(g, V0, V1, V2):
+    """Per-module scalar of a fused group of up to three modules (q,k,v or gate,up)."""
+    return tl.where(g == 0, V0, tl.where(g == 1, V1, V2))
+
+
+def check_tables(tables: LoraTables, device: torch.device) -> None:
+    check_tensor("tables.slots", tables.slots, ndim=2, dtypes=(torch.int32,), device=device)
+    for name in ("ranks", "a_off", "b_off"):
+        t = getattr(tables, name)
+        check_tensor(f"tables.{name}", t, ndim=2, dtypes=(torch.int32,), device=device, contiguous=True)
+        require(t.shape == (tables.slots.shape[0], 7),
+                f"tables.{name} must be [max_resident={tables.slots.shape[0]}, 7], got {tuple(t.shape)}")
+
+
+def check_pool_buffer(name: str, buf: torch.Tensor, device: torch.device) -> None:
+    check_tensor(name, buf, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+
+
+def check_segments(num_tokens: int, device: torch.device, seg_start, seg_adapter, token_order) -> None:
+    """Segment form: runs of (sorted) token positions sharing one adapter; optional token_order maps a
+    sorted position to its token. Segments must cover positions 0..T-1 (empty ones are allowed)."""
+    require(seg_adapter is not None, "seg_start was given without seg_adapter")
+    check_tensor("seg_start", seg_start, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    check_tensor("seg_adapter", seg_adapter, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    require(seg_start.shape[0] == seg_adapter.shape[0] + 1,
+            f"seg_start must have one entry more than seg_adapter, got {seg_start.shape[0]} and {seg_adapter.shape[0]}")
+    if token_order is not None:
+        check_tensor("token_order", token_order, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+        require(token_order.shape[0] == num_tokens,
+                f"token_order must have one entry per token ({num_tokens}), got {token_order.shape[0]}")

@@ -1,0 +1,277 @@
+"""LoRA shrink on the unified pool: y[g, t, :r] = x[t] @ A_gᵀ for token t's adapter, every module g of a
+fused group (q,k,v or gate,up) in one launch, ranks 1..256 mixed in one batch, no padded weights.
+
+Two forms over the same row addressing (lora_rows.py):
+- per token (decode, MBGMV): one program per (token, module, rank tile, K split); a GEMV on CUDA cores.
+- segment (prefill, or decode after grouping tokens by adapter, MBGMM): one program per (segment, token
+  chunk, module, rank tile, K split); tiles of tokens sharing an adapter go through tl.dot, so each
+  adapter row is read from memory once per step however many of its tokens are in the batch.
+At decode the work is reading adapter rows and x is tiny, so the input dimension is split (split-K) to give
+every multiprocessor rows to stream; the fp32 partial sums go to a small workspace that a second launch
+reduces in a fixed order (deterministic, no atomics). Base-only tokens (adapter -1) and rank-0 modules
+read no adapter rows; they only get their zeros written.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.meta import LoraTables
+from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor, require
+from .lora_rows import check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot
+
+
+@triton.jit
+def _store_shrink(acc, out_ptr, g, t, rows, rank, max_rank, n_split, split, num_groups, num_tokens, rows_p,
+                  stride_og, stride_ot, SPLIT: tl.constexpr):
+    """SPLIT: fp32 partial into workspace [n_split, G, T, rows_p] (rows < rank only; the finalize pass
+    masks the rest). Otherwise the finished row into y, zeros included, so y needs no memset."""
+    if SPLIT:
+        base = ((split * num_groups + g) * num_tokens + t).to(tl.int64) * rows_p
+        tl.store(out_ptr + base + rows, acc, mask=rows < rank)
+    else:
+        base = g.to(tl.int64) * stride_og + t.to(tl.int64) * stride_ot
+        tl.store(out_ptr + base + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < max_rank)
+
+
+@triton.jit
+def _shrink_token_kernel(
+    x_ptr, stride_xt, buf_ptr, stride_buf, token_adapter_ptr,
+    slots_ptr, stride_slots, ranks_ptr, a_off_ptr,
+    out_ptr, stride_og, stride_ot,
+    num_tokens, fan_in, W, n_chunks, max_rank, k_per_split, n_split, rows_p,
+    M0, M1, M2,
+    NUM_GROUPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    r_tile = tl.program_id(2) // n_split
+    split = tl.program_id(2) % n_split
+    m = module_slot(g, M0, M1, M2)
+    a = tl.load(token_adapter_ptr + t)
+    a_safe = tl.maximum(a, 0)
+    rank = tl.load(ranks_ptr + a_safe * 7 + m)
+    rank = tl.where(a >= 0, tl.minimum(rank, max_rank), 0)
+    rows = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < rank
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if r_tile * BLOCK_R < rank:
+        first = tl.load(a_off_ptr + a_safe * 7 + m)
+        list_ptr = slots_ptr + a_safe.to(tl.int64) * stride_slots
+        x_row = x_ptr + t.to(tl.int64) * stride_xt
+        k_lo = split * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, fan_in)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                xv = tl.load(x_row + ks)
+            else:
+                xv = tl.load(x_row + ks, mask=ks < k_hi, other=0.0)
+            w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, k0, k_hi, W, n_chunks,
+                                  BLOCK_K, ALIGNED, EVEN)
+            acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+    _store_shrink(acc, out_ptr, g, t, rows, rank, max_rank, n_split, split, NUM_GROUPS, num_tokens, rows_p,
+                  stride_og, stride_ot, SPLIT)
+
+
+@triton.jit
+def _shrink_segment_kernel(
+    x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+    slots_ptr, stride_slots, ranks_ptr, a_off_ptr,
+    out_ptr, stride_og, stride_ot,
+    num_tokens, fan_in, W, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk_tokens, n_r_tiles,
+    M0, M1, M2,
+    NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    s = tl.program_id(0)
+    pid = tl.program_id(2)
+    split = pid % n_split
+    r_tile = (pid // n_split) % n_r_tiles
+    g = pid // (n_split * n_r_tiles)
+    m = module_slot(g, M0, M1, M2)
+    a = tl.load(seg_adapter_ptr + s)
+    a_safe = tl.maximum(a, 0)
+    rank = tl.load(ranks_ptr + a_safe * 7 + m)
+    rank = tl.where(a >= 0, tl.minimum(rank, max_rank), 0)
+    first = tl.load(a_off_ptr + a_safe * 7 + m)
+    list_ptr = slots_ptr + a_safe.to(tl.int64) * stride_slots
+    seg_end = tl.load(seg_start_ptr + s + 1)
+    p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
+    p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
+    rows = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < rank
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, fan_in)
+    for p0 in range(p_lo, p_hi, BLOCK_M):
+        pos = p0 + tl.arange(0, BLOCK_M)
+        p_mask = pos < p_hi
+        if HAS_ORDER:
+            tok = tl.load(order_ptr + pos, mask=p_mask, other=0)
+        else:
+            tok = pos
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        if r_tile * BLOCK_R < rank:
+            x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                if EVEN:
+                    xt = tl.load(x_rows + ks[None, :], mask=p_mask[:, None], other=0.0)
+                else:
+                    xt = tl.load(x_rows + ks[None, :], mask=p_mask[:, None] & (ks < k_hi)[None, :], other=0.0)
+                w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, k0, k_hi, W, n_chunks,
+                                      BLOCK_K, ALIGNED, EVEN)
+                acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc, input_precision=PRECISION)
+        if SPLIT:
+            base = ((split * NUM_GROUPS + g) * num_tokens + tok).to(tl.int64) * rows_p
+            tl.store(out_ptr + base[:, None] + rows[None, :], acc, mask=p_mask[:, None] & row_mask[None, :])
+        else:
+            base = g.to(tl.int64) * stride_og + tok.to(tl.int64) * stride_ot
+            tl.store(out_ptr + base[:, None] + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=p_mask[:, None] & (rows < max_rank)[None, :])
+
+
+@triton.jit
+def _shrink_finalize_kernel(
+    part_ptr, out_ptr, stride_og, stride_ot, token_adapter_ptr, ranks_ptr,
+    num_tokens, max_rank, n_split, rows_p, M0, M1, M2,
+    NUM_GROUPS: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Sum the K-split partials in split order, cast, and write the whole row (zeros past the rank)."""
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m = module_slot(g, M0, M1, M2)
+    a = tl.load(token_adapter_ptr + t)
+    rank = tl.load(ranks_ptr + tl.maximum(a, 0) * 7 + m)
+    rank = tl.where(a >= 0, tl.minimum(rank, max_rank), 0)
+    mask = rows < rank
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for split in range(0, n_split):
+        base = ((split * NUM_GROUPS + g) * num_tokens + t).to(tl.int64) * rows_p
+        acc += tl.load(part_ptr + base + rows, mask=mask, other=0.0)
+    base = g.to(tl.int64) * stride_og + t.to(tl.int64) * stride_ot
+    tl.store(out_ptr + base + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < max_rank)
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    """Launch shape; `choose_shrink_config` picks one, benchmarks may pass their own."""
+
+    block_r: int
+    block_k: int
+    n_split: int
+    block_m: int = 16  # segment form only
+    chunk_tokens: int = 0  # segment form: tokens per program (0 = whole segment)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: int, max_rank: int,
+                         device: torch.device, segmented: bool, max_seg_len: int | None = None,
+                         num_segments: int | None = None) -> ShrinkConfig:
+    """Enough programs to keep every multiprocessor streaming adapter rows, from few tokens (split the
+    input dimension) or from many (split tokens into chunks for long prefill segments)."""
+    block_k = pow2_divisor(width, 128)
+    if block_k < 16:
+        block_k = 32  # rows straddle slots inside a tile: the unaligned path
+    cap_r = 64 if not segmented else 128
+    block_r = min(max(16, next_pow2(max_rank)), cap_r)
+    r_tiles = cdiv(max(max_rank, 1), block_r)
+    target = 4 * num_sms(device)
+    block_m, chunk = 16, 0
+    if segmented:
+        n_units = num_segments if num_segments is not None else num_tokens
+        if max_seg_len is not None and max_seg_len > 64:
+            block_m = 64
+            chunk = block_m
+            n_units = num_segments * cdiv(max_seg_len, chunk) if num_segments else cdiv(num_tokens, chunk)
+    else:
+        n_units = num_tokens
+    base = max(1, n_units * num_groups * r_tiles)
+    n_split = max(1, min(cdiv(target, base), cdiv(fan_in, block_k), 64))
+    return ShrinkConfig(block_r=block_r, block_k=block_k, n_split=n_split, block_m=block_m, chunk_tokens=chunk)
+
+
+def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
+                modules: tuple[int, ...], max_rank: int, *, seg_start: torch.Tensor | None = None,
+                seg_adapter: torch.Tensor | None = None, token_order: torch.Tensor | None = None,
+                max_seg_len: int | None = None, out: torch.Tensor | None = None,
+                config: ShrinkConfig | None = None) -> torch.Tensor:
+    """Same contract as ops.reference.lora_shrink: `[len(modules), T, max_rank]` in x's dtype.
+
+    With seg_start/seg_adapter the segment form runs (segments must cover all T positions; token_order,
+    if given, maps sorted positions to tokens, as from group_tokens_by_adapter). max_seg_len (a host int,
+    optional) lets long prefill segments be spread over more programs. `out` may be given to write into
+    (for example a buffer reused across CUDA graph replays)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    device = x.device
+    check_pool_buffer("k_buf", k_buf, device)
+    check_tensor("token_adapter", token_adapter, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    check_tables(tables, device)
+    modules = check_modules(modules)
+    num_tokens, fan_in = x.shape
+    require(token_adapter.shape[0] == num_tokens,
+            f"token_adapter has {token_adapter.shape[0]} entries but x has {num_tokens} tokens")
+    require(isinstance(max_rank, int) and max_rank >= 0, f"max_rank must be a non-negative int, got {max_rank!r}")
+    num_groups = len(modules)
+    if out is None:
+        out = torch.empty(num_groups, num_tokens, max_rank, dtype=x.dtype, device=device)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(x.dtype,), device=device)
+        require(tuple(out.shape) == (num_groups, num_tokens, max_rank),
+                f"out must be [{num_groups}, {num_tokens}, {max_rank}], got {tuple(out.shape)}")
+    segmented = seg_start is not None
+    if segmented:
+        check_segments(num_tokens, device, seg_start, seg_adapter, token_order)
+    if num_tokens == 0 or max_rank == 0:
+        out.zero_()
+        return out
+    width = k_buf.shape[1]
+    n_chunks = cdiv(fan_in, width)
+    num_segments = seg_adapter.shape[0] if segmented else None
+    cfg = config or choose_shrink_config(num_tokens, num_groups, fan_in, width, max_rank, device, segmented,
+                                         max_seg_len, num_segments)
+    aligned = width % cfg.block_k == 0 and cfg.block_k >= 16
+    k_per_split = cdiv(cdiv(fan_in, cfg.n_split), cfg.block_k) * cfg.block_k
+    n_split = cdiv(fan_in, k_per_split)
+    even = fan_in % cfg.block_k == 0
+    r_tiles = cdiv(max_rank, cfg.block_r)
+    rows_p = r_tiles * cfg.block_r
+    split = n_split > 1
+    dst = torch.empty(n_split, num_groups, num_tokens, rows_p, dtype=torch.float32, device=device) if split else out
+    m0, m1, m2 = pad3(modules)
+    common = dict(NUM_GROUPS=num_groups, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, ALIGNED=aligned, EVEN=even,
+                  SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not segmented:
+        _shrink_token_kernel[(num_tokens, num_groups, r_tiles * n_split)](
+            x, x.stride(0), k_buf, k_buf.stride(0), token_adapter,
+            tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
+            dst, out.stride(0), out.stride(1),
+            num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p,
+            m0, m1, m2, **common)
+    else:
+        longest = max_seg_len if max_seg_len is not None else num_tokens
+        chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
+        n_seq_chunks = max(1, cdiv(longest, chunk))
+        require(n_seq_chunks <= 65535, f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        _shrink_segment_kernel[(num_segments, n_seq_chunks, num_groups * r_tiles * n_split)](
+            x, x.stride(0), k_buf, k_buf.stride(0), seg_start, seg_adapter,
+            token_order if token_order is not None else seg_start,
+            tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
+            dst, out.stride(0), out.stride(1),
+            num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk, r_tiles,
+            m0, m1, m2, BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None, PRECISION=precision, **common)
+    if split:
+        block_r = min(next_pow2(rows_p), 256)
+        _shrink_finalize_kernel[(num_tokens, num_groups, cdiv(rows_p, block_r))](
+            dst, out, out.stride(0), out.stride(1), token_adapter, tables.ranks,
+            num_tokens, max_rank, n_split, rows_p, m0, m1, m2,
+            NUM_GROUPS=num_groups, BLOCK_R=block_r, num_warps=1 if block_r <= 64 else 4)
+    return out

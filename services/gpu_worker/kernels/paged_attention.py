@@ -1,0 +1,205 @@
+"""Causal attention of a step's new tokens over their paged context (slot table, one token per page).
+
+One kernel serves decode and prefill/extend. A program takes one sequence, one KV head and a block of
+BLOCK_Q new tokens; its rows are those tokens times the KV head's group of query heads (GQA), so each K/V
+row is loaded once for the whole group. The context is streamed in BLOCK_N tokens gathered through the
+slot table, with an online softmax in base 2.
+
+Decode (one new token per sequence) has far fewer rows than a tile, and B x KV heads programs may not fill
+the GPU, so the context is split (flash-decoding): each split writes an unnormalised partial (acc, max,
+sum) and a second launch combines them, weighting each by 2^(max_s - max), which is exact and stable.
+The same split applies to short extends over long contexts. K/V of the new tokens are already in the pool
+(write_kv runs first), so prefill reads the prompt from the pool like any context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.meta import AttnMeta
+from .checks import FLOAT_DTYPES, cdiv, check_tensor, next_pow2, num_sms, require
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, stride_qt, stride_qh, k_ptr, stride_k, v_ptr, stride_v,
+    q_start_ptr, ctx_lens_ptr, slot_table_ptr, stride_st,
+    out_ptr, stride_ot, stride_oh, part_ptr, ml_ptr,
+    qk_scale, num_heads, head_dim, n_split, split_len,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q_block = tl.program_id(2) // n_split
+    split = tl.program_id(2) % n_split
+    q_lo = tl.load(q_start_ptr + b)
+    q_len = tl.load(q_start_ptr + b + 1) - q_lo
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx = tl.load(ctx_lens_ptr + b)
+
+    r = tl.arange(0, BLOCK_M)
+    qi = q_block * BLOCK_Q + r // GROUP_P
+    hh = r % GROUP_P
+    row_valid = (qi < q_len) & (hh < GROUP)
+    head = kvh * GROUP + hh
+    q_pos = ctx - q_len + qi
+    tok = (q_lo + qi).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    # With head_dim == BLOCK_D the masks are per row only, which keeps the loads 16 bytes wide.
+    if EVEN_D:
+        store_mask = row_valid[:, None]
+    else:
+        store_mask = row_valid[:, None] & (d < head_dim)[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=store_mask, other=0.0)
+
+    # Keys this program may need: up to the last new token of its block (causal), within its split.
+    kv_hi = ctx - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
+    lo = split * split_len
+    hi = tl.minimum(kv_hi, lo + split_len)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = slot_table_ptr + b.to(tl.int64) * stride_st
+    head_col = kvh * head_dim
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        k_valid = pos < hi
+        slot = tl.load(table + pos, mask=k_valid, other=0).to(tl.int64)
+        if EVEN_D:
+            kv_mask = k_valid[:, None]
+        else:
+            kv_mask = k_valid[:, None] & (d < head_dim)[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_k + head_col + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+        s = tl.where(k_valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + slot[:, None] * stride_v + head_col + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # Partials [T, Hq, n_split, head_dim] and (max, sum) pairs [T, Hq, n_split, 2], all fp32.
+        row = (tok * num_heads + head) * n_split + split
+        tl.store(part_ptr + row[:, None] * head_dim + d[None, :], acc, mask=store_mask)
+        tl.store(ml_ptr + row * 2, m_i, mask=row_valid)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=row_valid)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_heads, head_dim, n_split,
+                    SPLIT_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLIT_P)
+    sp_mask = sp < n_split
+    row = (t.to(tl.int64) * num_heads + h) * n_split + sp
+    m = tl.load(ml_ptr + row * 2, mask=sp_mask, other=float("-inf"))
+    l = tl.load(ml_ptr + row * 2 + 1, mask=sp_mask, other=0.0)
+    w = tl.math.exp2(m - tl.max(m, axis=0))
+    denom = tl.sum(w * l, axis=0)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_ptr + row[:, None] * head_dim + d[None, :], mask=sp_mask[:, None] & (d < head_dim)[None, :],
+                  other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < head_dim)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_q: int  # new tokens per program (rows = block_q x padded group)
+    block_n: int  # context tokens per iteration
+    n_split: int  # context splits (combined by a second launch when > 1)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def choose_attention_config(meta: AttnMeta, num_kv_heads: int, group: int, head_dim: int,
+                            device: torch.device) -> AttentionConfig:
+    group_p = next_pow2(group)
+    rows = 16 if meta.decode_only else 64
+    block_q = max(1, rows // group_p)
+    n_q_blocks = cdiv(max(meta.max_q_len, 1), block_q)
+    units = meta.num_seqs * num_kv_heads * n_q_blocks
+    target = 4 * num_sms(device)
+    n_split = max(1, min(cdiv(target, max(units, 1)), cdiv(max(meta.max_ctx_len, 1), 256)))
+    block_n = 64 if head_dim <= 128 else 32
+    return AttentionConfig(block_q=block_q, block_n=block_n, n_split=n_split,
+                           num_stages=3 if meta.decode_only else 2)
+
+
+def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMeta, scale: float, *,
+              out: torch.Tensor | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+    """Same contract as ops.reference.attention: q `[T, Hq, hd]` -> `[T, Hq, hd]` in q's dtype."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    check_tensor("k_buf", k_buf, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("v_buf", v_buf, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    num_tokens, num_heads, head_dim = q.shape
+    width = k_buf.shape[1]
+    require(v_buf.shape == k_buf.shape, f"k_buf {tuple(k_buf.shape)} and v_buf {tuple(v_buf.shape)} differ")
+    require(head_dim > 0 and width % head_dim == 0, f"pool width {width} is not a multiple of head_dim {head_dim}")
+    num_kv_heads = width // head_dim
+    require(num_heads % num_kv_heads == 0,
+            f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    check_tensor("meta.q_start", meta.q_start, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    check_tensor("meta.ctx_lens", meta.ctx_lens, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    check_tensor("meta.slot_table", meta.slot_table, ndim=2, dtypes=(torch.int32,), device=device)
+    num_seqs = meta.num_seqs
+    require(meta.q_start.shape[0] == num_seqs + 1,
+            f"meta.q_start must have {num_seqs + 1} entries (B + 1), got {meta.q_start.shape[0]}")
+    require(meta.slot_table.shape[0] == num_seqs and meta.slot_table.shape[1] >= meta.max_ctx_len,
+            f"meta.slot_table must be [{num_seqs}, >= max_ctx_len={meta.max_ctx_len}], got {tuple(meta.slot_table.shape)}")
+    if meta.decode_only:
+        require(num_tokens == num_seqs, f"decode_only batch must have one token per sequence: {num_tokens} tokens, "
+                                        f"{num_seqs} sequences")
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=device)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=device)
+        require(out.shape == q.shape, f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cfg = config or choose_attention_config(meta, num_kv_heads, group, head_dim, device)
+    group_p = next_pow2(group)
+    block_d = max(16, next_pow2(head_dim))
+    require(cfg.block_q * group_p >= 16, "config.block_q x padded group must be at least 16 rows (tl.dot tile)")
+    n_q_blocks = cdiv(max(meta.max_q_len, 1), cfg.block_q)
+    split_len = cdiv(cdiv(max(meta.max_ctx_len, 1), cfg.n_split), cfg.block_n) * cfg.block_n
+    n_split = cdiv(max(meta.max_ctx_len, 1), split_len)
+    require(n_q_blocks * n_split <= 65535, f"{n_q_blocks} query blocks x {n_split} splits exceed the grid limit")
+    split = n_split > 1
+    if split:
+        part = torch.empty(num_tokens, num_heads, n_split, head_dim, dtype=torch.float32, device=device)
+        ml = torch.empty(num_tokens, num_heads, n_split, 2, dtype=torch.float32, device=device)
+    else:
+        part = ml = out
+    _attention_kernel[(num_seqs, num_kv_heads, n_q_blocks * n_split)](
+        q, q.stride(0), q.stride(1), k_buf, k_buf.stride(0), v_buf, v_buf.stride(0),
+        meta.q_start, meta.ctx_lens, meta.slot_table, meta.slot_table.stride(0),
+        out, out.stride(0), out.stride(1), part, ml,
+        float(scale) * _LOG2E, num_heads, head_dim, n_split, split_len,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        EVEN_D=block_d == head_dim, SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split:
+        _combine_kernel[(num_tokens, num_heads)](
+            part, ml, out, out.stride(0), out.stride(1), num_heads, head_dim, n_split,
+            SPLIT_P=max(2, next_pow2(n_split)), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 4)
+    return out

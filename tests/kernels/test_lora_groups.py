@@ -1,0 +1,43 @@
+"""Grouping a step's tokens by adapter on the device (segment form at decode)."""
+from __future__ import annotations
+
+import torch
+
+from services.gpu_worker.kernels import group_tokens_by_adapter
+
+
+def segments(groups):
+    starts = groups.seg_start.tolist()
+    return [(groups.seg_adapter[s].item(), starts[s], starts[s + 1]) for s in range(len(starts) - 1)]
+
+
+def test_groups_cover_every_token_once_with_one_adapter_per_segment():
+    gen = torch.Generator().manual_seed(0)
+    token_adapter = torch.randint(-1, 9, (57,), generator=gen, dtype=torch.int32)
+    groups = group_tokens_by_adapter(token_adapter, max_adapters=9)
+    order = groups.token_order.long()
+    assert sorted(order.tolist()) == list(range(57))
+    assert groups.seg_adapter.shape[0] == 10 and groups.seg_start.shape[0] == 11
+    seen = []
+    prev_end = 0
+    for adapter, start, end in segments(groups):
+        assert start == prev_end, "segments must tile the sorted positions"
+        prev_end = end
+        if end > start:
+            members = token_adapter[order[start:end]]
+            assert torch.all(members == adapter)
+            seen.append(adapter)
+        else:
+            assert adapter == -1, "empty segments carry no adapter"
+    assert prev_end == 57
+    assert seen == sorted(set(token_adapter.tolist())), "one segment per distinct adapter, in order"
+    # Stable: tokens of one adapter keep their batch order.
+    for adapter, start, end in segments(groups):
+        assert order[start:end].tolist() == sorted(order[start:end].tolist())
+
+
+def test_groups_without_bound_use_one_segment_slot_per_token():
+    token_adapter = torch.tensor([3, 3, -1, 0], dtype=torch.int32)
+    groups = group_tokens_by_adapter(token_adapter)
+    assert segments(groups) == [(-1, 0, 1), (0, 1, 2), (3, 2, 4), (-1, 4, 4)]
+    assert groups.token_order.tolist() == [2, 3, 0, 1]

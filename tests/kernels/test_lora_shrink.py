@@ -1,0 +1,69 @@
+"""Triton LoRA shrink against ops.reference.lora_shrink on a real packed pool."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from conftest import ALIGNED_CFG, LoraPool, assert_matches
+from lora_cases import FORMS, make_batch
+
+from services.gpu_worker.kernels import lora_shrink
+from services.gpu_worker.kernels.lora_shrink import ShrinkConfig
+from services.gpu_worker.ops import reference
+from shared.model_config import MODULES
+
+GROUPS = {"qkv": (0, 1, 2), "gate_up": (4, 5), "down": (6,)}
+
+
+def run_case(cfg, dtype, form, modules, seed, config=None):
+    lp = LoraPool(cfg, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
+    fan_in = cfg.module_dims(MODULES[modules[0]])[0]
+    x = torch.randn(token_adapter.shape[0], fan_in, generator=gen).to(dtype)
+    max_rank = lp.max_rank(token_adapter, modules)
+    ref = reference.lora_shrink(x, lp.k_buf, token_adapter, lp.tables, modules, max_rank)
+    out = torch.full_like(ref, float("nan"))
+    got = lora_shrink(x, lp.k_buf, token_adapter, lp.tables, modules, max_rank, out=out, config=config, **kwargs)
+    assert got is out
+    assert_matches(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_shrink_matches_reference(model_cfg, dtype, form, group):
+    run_case(model_cfg, dtype, form, GROUPS[group], seed=zlib.crc32(f"{form}/{group}".encode()) % 1000)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_shrink_split_k_partials_sum_to_reference(form):
+    # Three splits of the 48-wide input, 16-row rank tiles: the rank-64 adapter spans four tiles.
+    config = ShrinkConfig(block_r=16, block_k=16, n_split=3, chunk_tokens=16 if form == "segments" else 0)
+    run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=7, config=config)
+
+
+def test_shrink_base_only_batch_is_all_zero():
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=3)
+    x = torch.randn(5, ALIGNED_CFG.hidden_size)
+    token_adapter = torch.full((5,), -1, dtype=torch.int32)
+    out = torch.full((3, 5, 8), float("nan"))
+    lora_shrink(x, lp.k_buf, token_adapter, lp.tables, (0, 1, 2), 8, out=out)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda a: a.update(token_adapter=a["token_adapter"].long()), "token_adapter must have dtype torch.int32"),
+    (lambda a: a.update(x=a["x"].t().contiguous().t()), "x must have unit stride"),
+    (lambda a: a.update(modules=(0, 1, 2, 3)), "modules must name 1 to 3 modules"),
+    (lambda a: a.update(token_adapter=a["token_adapter"][:3]), "token_adapter has 3 entries but x has 5 tokens"),
+    (lambda a: a.update(seg_start=torch.tensor([0, 5], dtype=torch.int32)), "seg_start was given without seg_adapter"),
+])
+def test_shrink_rejects_bad_arguments(mutate, message):
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=5)
+    args = dict(x=torch.randn(5, ALIGNED_CFG.hidden_size), token_adapter=torch.zeros(5, dtype=torch.int32),
+                modules=(0, 1, 2))
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        lora_shrink(args.pop("x"), lp.k_buf, args.pop("token_adapter"), lp.tables, args.pop("modules"), 4, **args)
