@@ -1,0 +1,62 @@
+"""The gateway's Starlette application: routes of the public HTTP contract."""
+from __future__ import annotations
+
+import contextlib
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from services.gateway import adapters, inference, ops
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError
+from services.gateway.state import GatewayState
+
+ROUTES = [
+    Route("/v1/completions", inference.completions, methods=["POST"]),
+    Route("/v1/chat/completions", inference.chat_completions, methods=["POST"]),
+    Route("/v1/models", adapters.list_models, methods=["GET"]),
+    Route("/v1/adapters", adapters.register, methods=["POST"]),
+    Route("/v1/adapters", adapters.list_adapters, methods=["GET"]),
+    Route("/v1/adapters/{name}", adapters.get_adapter, methods=["GET"]),
+    Route("/v1/adapters/{name}", adapters.delete_adapter, methods=["DELETE"]),
+    Route("/v1/load_lora_adapter", adapters.load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", adapters.unload_lora_adapter, methods=["POST"]),
+    Route("/health", ops.health, methods=["GET"]),
+    Route("/ready", ops.ready, methods=["GET"]),
+    Route("/metrics", ops.metrics, methods=["GET"]),
+]
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    # Unknown paths and wrong methods get the same error body as everything else.
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return ApiError(exc.status_code, str(exc.detail), None, code).response()
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return exc.response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    request.app.state.gateway.log.exception("unhandled error", path=request.url.path)
+    return ApiError(500, "internal server error", None, "internal_error").response()
+
+
+def build_app(config: GatewayConfig, state: GatewayState | None = None) -> Starlette:
+    state = state or GatewayState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = Starlette(routes=ROUTES, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, ApiError: _api_error, Exception: _unexpected})
+    app.state.gateway = state
+    return app

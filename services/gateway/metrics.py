@@ -1,0 +1,71 @@
+"""Prometheus metrics of the gateway (/metrics).
+
+Request counts, latencies and refusals are measured here, where requests begin and end. Queue depth,
+running requests, pool slots and adapter residency are the scheduler's view of WorkerStatus, refreshed
+by each ping round and read at scrape time by a collector, so the numbers are never stale copies
+sitting in gauges nobody updates.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class SchedulerCollector:
+    """Reads the scheduler view (and the latest adapter listing) when Prometheus scrapes."""
+
+    def __init__(self, scheduler_view, adapter_tiers):
+        self.view = scheduler_view
+        self.adapter_tiers = adapter_tiers  # () -> {"gpu": n, "host": n, "disk": n} from the last listing
+
+    def collect(self):
+        pong = self.view.pong
+        yield _gauge("loraplex_queue_depth", "Requests waiting in the scheduler's queue", pong.queue_depth if pong else 0)
+        yield _gauge("loraplex_workers_ready", "Workers alive and ready", pong.workers_ready if pong else 0)
+        running = GaugeMetricFamily("loraplex_running_requests", "Requests running on each worker", labels=["worker"])
+        waiting = GaugeMetricFamily("loraplex_worker_waiting_requests", "Requests waiting inside each worker", labels=["worker"])
+        slots = GaugeMetricFamily("loraplex_pool_slots", "Unified pool slots by use", labels=["worker", "kind"])
+        loads = CounterMetricFamily("loraplex_adapter_loads", "Adapters copied into a GPU pool", labels=["worker"])
+        load_bytes = CounterMetricFamily("loraplex_adapter_load_bytes", "Bytes of adapters copied into a GPU pool", labels=["worker"])
+        for worker_id, status in sorted(self.view.workers.items()):
+            running.add_metric([worker_id], status.running)
+            waiting.add_metric([worker_id], status.waiting)
+            slots.add_metric([worker_id, "kv"], status.kv_slots)
+            slots.add_metric([worker_id, "adapter"], status.adapter_slots)
+            slots.add_metric([worker_id, "free"], status.free_slots)
+            slots.add_metric([worker_id, "total"], status.total_slots)
+            loads.add_metric([worker_id], status.adapter_loads)
+            load_bytes.add_metric([worker_id], status.adapter_load_bytes)
+        yield from (running, waiting, slots, loads, load_bytes)
+        tiers = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (gpu pool, host arena, disk)", labels=["tier"])
+        for tier, n in self.adapter_tiers().items():
+            tiers.add_metric([tier], n)
+        yield tiers
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+class GatewayMetrics:
+    def __init__(self, scheduler_view, adapter_tiers):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("loraplex_requests", "Inference requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("loraplex_time_to_first_token_seconds", "Time from request to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.per_token = Histogram("loraplex_time_per_output_token_seconds", "Time between output tokens after the first", buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("loraplex_e2e_request_latency_seconds", "Time from request to last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("loraplex_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("loraplex_generation_tokens", "Tokens generated", registry=r)
+        self.aborts = Counter("loraplex_aborts", "Requests aborted after they were queued, by reason", ["reason"], registry=r)
+        self.rejections = Counter("loraplex_rejections", "Requests refused before running, by reason", ["reason"], registry=r)
+        self.adapter_ops = Counter("loraplex_adapter_operations", "Adapter management calls by operation and HTTP status", ["op", "status"], registry=r)
+        r.register(SchedulerCollector(scheduler_view, adapter_tiers))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
