@@ -46,8 +46,11 @@ def check_upload_size(config_json: bytes, model_safetensors: bytes, limit: int) 
 
 
 def looks_like_pickle(data: bytes) -> bool:
-    # A pickle starts with the PROTO opcode 0x80; torch.save writes a zip archive ("PK\x03\x04").
-    return data[:1] == b"\x80" or data[:4] == b"PK\x03\x04"
+    # safetensors: 8-byte header length, then the JSON header, so byte 8 is "{" (its first byte may well be
+    # 0x80). A pickle starts with the PROTO opcode 0x80 and a protocol number; torch.save writes a zip.
+    if data[8:9] == b"{":
+        return False
+    return (data[:1] == b"\x80" and data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")) or data[:4] == b"PK\x03\x04"
 
 
 def canonical_config(config_json: bytes) -> bytes:

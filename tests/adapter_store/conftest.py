@@ -175,7 +175,8 @@ def store_factory(redis_server, tiny_model_dir, tmp_path, allowed_root):
     started: list[StoreProcess] = []
 
     def start(**flags) -> StoreProcess:
-        proc = StoreProcess(redis_server.url, tmp_path / "data", tiny_model_dir, allowed_root, **flags)
+        root = flags.pop("allowed_root", allowed_root)
+        proc = StoreProcess(redis_server.url, tmp_path / "data", tiny_model_dir, root, **flags)
         proc.start()
         started.append(proc)
         return proc
