@@ -162,26 +162,30 @@ class Engine:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             seq = self.waiting[0]
-            if seq.adapter is None and seq.req.adapter is not None:
-                try:
-                    seq.adapter = self.adapters.acquire(seq.req.adapter)
-                except (KeyError, ValueError) as exc:
-                    self.waiting.popleft()
-                    self._fail(seq, f"adapter {seq.req.adapter!r} cannot be loaded: {exc}")
-                    continue
-                if seq.adapter is None:
-                    if not self.running:
-                        self.waiting.popleft()
-                        self._fail(seq, f"adapter {seq.req.adapter!r} does not fit in the pool")
-                        continue
-                    break  # slots are short; try again when requests finish
             n = min(seq.remaining, budget)
-            if not alloc.can_allocate(n) and not self.adapters.evict_until(n):
+            name = seq.req.adapter
+            try:
+                need = n + (self.adapters.slots_to_load(name) if name else 0)
+            except (KeyError, ValueError) as exc:
+                self.waiting.popleft()
+                self._fail(seq, f"adapter {name!r} cannot be loaded: {exc}")
+                continue
+            # Admit only what fits now (evicting unused adapters if needed): a request never holds an
+            # adapter's slots while it waits.
+            if not self.adapters.can_make_room(need, keep=name):
                 if not self.running:
                     self.waiting.popleft()
-                    self._fail(seq, f"request needs {n} KV slots beside its adapter; the pool has {alloc.num_free} free")
+                    self._fail(seq, f"request needs {need} slots (KV and adapter); the pool has {self.pool.num_slots}")
                     continue
                 break
+            if name:
+                try:
+                    seq.adapter = self.adapters.acquire(name)
+                except (KeyError, ValueError) as exc:
+                    self.waiting.popleft()
+                    self._fail(seq, f"adapter {name!r} cannot be loaded: {exc}")
+                    continue
+            self.adapters.evict_until(n)
             self.waiting.popleft()
             seq.order = self._order
             self._order += 1

@@ -51,6 +51,9 @@ class ResidentAdapters:
         self._by_name: dict[str, Resident] = {}
         self._unused: OrderedDict[str, None] = OrderedDict()
         self._free_ids = list(range(max_resident - 1, -1, -1))
+        # Adapters fetched to learn their size but not yet admitted; acquire() takes them from here so the
+        # loader runs once per load.
+        self._staged: dict[str, PackedAdapter] = {}
         self.loads = 0
         self.bytes_loaded = 0
 
@@ -72,12 +75,25 @@ class ResidentAdapters:
     def unused_slots(self) -> int:
         return sum(len(self._by_name[n].slots) for n in self._unused)
 
+    def slots_to_load(self, name: str) -> int:
+        """Slots that pinning `name` would take from the free list (0 if already resident)."""
+        if name in self._by_name:
+            return 0
+        if name not in self._staged:
+            self._staged[name] = self.loader(name)
+        return self._staged[name].n_slots
+
+    def can_make_room(self, slots: int, keep: str | None = None) -> bool:
+        """Whether `slots` slots can be freed up by evicting unused adapters (other than `keep`)."""
+        spare = self.unused_slots - (len(self._by_name[keep].slots) if keep in self._unused else 0)
+        return self.pool.allocator.num_free + spare >= slots
+
     def acquire(self, name: str) -> Resident | None:
         """Pin an adapter in the pool, loading it if needed. None when slots are short even after
         evicting every unused adapter (the caller waits or preempts). Unknown adapters raise KeyError."""
         res = self._by_name.get(name)
         if res is None:
-            packed = self.loader(name)
+            packed = self._staged.pop(name, None) or self.loader(name)
             need = packed.n_slots
             if need > self.max_slots:
                 raise AdapterTooLarge(f"adapter {name!r} needs {need} slots, more than max_lora_rank allows ({self.max_slots})")

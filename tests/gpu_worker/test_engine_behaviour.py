@@ -1,0 +1,110 @@
+"""Engine lifecycle: stops, aborts, failures and limits, without the reference stack."""
+from __future__ import annotations
+
+import pytest
+
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.requests import EngineRequest
+from services.gpu_worker.sampling import SamplingParams
+from shared.config import EngineConfig
+from shared.tiny_model import make_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("behaviour") / "model", preset="tiny-gqa", seed=1)
+
+
+def engine_for(model_dir, **config) -> Engine:
+    return Engine.from_model_dir(model_dir, EngineConfig(**config))
+
+
+def drain(engine: Engine, limit: int = 500) -> dict:
+    results: dict[str, dict] = {}
+    for _ in range(limit):
+        for out in engine.step():
+            r = results.setdefault(out.request_id, {"tokens": [], "reason": None, "error": None})
+            r["tokens"] += out.new_token_ids
+            if out.finished:
+                r["reason"], r["error"] = out.finish_reason, out.error
+        if not engine.has_unfinished():
+            return results
+    raise AssertionError("engine did not finish")
+
+
+def test_max_tokens_ends_with_length(model_dir):
+    engine = engine_for(model_dir)
+    engine.add_request(EngineRequest("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
+    r = drain(engine)["a"]
+    assert len(r["tokens"]) == 4 and r["reason"] == "length"
+    assert engine.pool.allocator.num_used == 0
+
+
+def test_stop_token_ends_with_stop_and_is_the_last_token(model_dir):
+    engine = engine_for(model_dir)
+    engine.add_request(EngineRequest("probe", [9, 10, 11], SamplingParams(max_tokens=5, ignore_eos=True)))
+    probe = drain(engine)["probe"]["tokens"]
+    engine.add_request(EngineRequest("b", [9, 10, 11], SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=(probe[2],))))
+    r = drain(engine)["b"]
+    assert r["reason"] == "stop" and r["tokens"] == probe[: probe.index(probe[2]) + 1]
+
+
+def test_eos_stops_unless_ignored(model_dir):
+    engine = engine_for(model_dir)
+    engine.add_request(EngineRequest("probe", [20, 21], SamplingParams(max_tokens=3, ignore_eos=True)))
+    first = drain(engine)["probe"]["tokens"][0]
+    engine.cfg = engine.cfg.__class__(**{**engine.cfg.__dict__, "eos_token_ids": (first,)})
+    engine.add_request(EngineRequest("eos", [20, 21], SamplingParams(max_tokens=3)))
+    engine.add_request(EngineRequest("ignored", [20, 21], SamplingParams(max_tokens=3, ignore_eos=True)))
+    results = drain(engine)
+    assert results["eos"]["tokens"] == [first] and results["eos"]["reason"] == "stop"
+    assert len(results["ignored"]["tokens"]) == 3 and results["ignored"]["reason"] == "length"
+
+
+def test_abort_frees_slots_and_reports_once(model_dir):
+    engine = engine_for(model_dir)
+    engine.add_request(EngineRequest("long", list(range(3, 30)), SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.add_request(EngineRequest("queued", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True)))
+    engine.step()
+    assert engine.pool.allocator.num_used > 0
+    assert engine.abort("long") and not engine.abort("missing")
+    results = drain(engine)
+    assert results["long"]["reason"] == "abort"
+    assert results["queued"]["reason"] == "length"
+    assert engine.pool.allocator.num_used == 0
+
+
+def test_unknown_adapter_fails_only_that_request(model_dir):
+    engine = engine_for(model_dir)
+    engine.add_request(EngineRequest("bad", [4, 5], SamplingParams(max_tokens=2), adapter="nope"))
+    engine.add_request(EngineRequest("good", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True)))
+    results = drain(engine)
+    assert results["bad"]["reason"] == "error" and "nope" in results["bad"]["error"]
+    assert results["good"]["reason"] == "length"
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([], SamplingParams(), "at least one token"),
+    ([1] * 600, SamplingParams(max_tokens=10), "exceeds the context length"),
+    ([1, 10**6], SamplingParams(), "outside the vocabulary"),
+    ([1], SamplingParams(top_p=0.0), "top_p"),
+])
+def test_bad_requests_are_refused_with_the_reason(model_dir, prompt, params, message):
+    engine = engine_for(model_dir, max_model_len=512)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(EngineRequest("x", prompt, params))
+    assert not engine.has_unfinished()
+
+
+def test_seeded_sampling_is_reproducible_and_survives_preemption(model_dir):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
+    roomy = engine_for(model_dir, num_slots=2048)
+    for i in range(6):
+        roomy.add_request(EngineRequest(f"r{i}", [30 + i] * (10 + i), params))
+    expected = drain(roomy)
+    tight = engine_for(model_dir, num_slots=60, max_batched_tokens=32)
+    for i in range(6):
+        tight.add_request(EngineRequest(f"r{i}", [30 + i] * (10 + i), params))
+    got = drain(tight, limit=2000)
+    assert tight.num_preemptions > 0
+    assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in expected.items()}
