@@ -13,6 +13,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("shared.tiny_model:main", "write a tiny random Llama checkpoint with tokenizer"),
     "make-adapters": ("shared.make_adapters:main", "write N random PEFT LoRA adapters for a base model"),
+    "up": ("services.launcher:main", "start every service in the foreground (embedded default with no arguments)"),
+    "adapters": ("shared.adapters_client:main", "add, list or remove adapters on a running server"),
 }
 
 

@@ -34,7 +34,7 @@ def build_engine(worker: WorkerConfig, engine: EngineConfig, loader):
     cls = engine_class(worker.tp)
     kw = {"adapter_loader": loader, "backend": worker.backend}
     if worker.tp > 1:
-        kw["tp"] = worker.tp
+        kw["tp_size"] = worker.tp
     if worker.model:
         return cls.from_model_dir(worker.model, engine, **kw)
     path = Path(worker.dummy_weights)
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         service.run()
     finally:
         service.close()
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()  # tensor-parallel followers
         store.close()
         segments.close()
         ctx.term()

