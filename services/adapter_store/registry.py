@@ -113,6 +113,18 @@ class Registry:
     def ping(self) -> bool:
         return bool(self.redis.ping())
 
+    def wait_until_reachable(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.redis.ping()
+                return
+            except (redis.ConnectionError, redis.BusyLoadingError, redis.TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Redis at {self.redis.connection_pool.connection_kwargs.get('host')} "
+                                       f"is not reachable: {e}") from None
+                time.sleep(0.1)
+
     def register(self, card: AdapterCard) -> RegisterResult:
         fields = {
             "id": card.id, "name": card.name, "tenant": card.tenant, "rank": str(card.rank),

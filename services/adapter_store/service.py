@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Callable
 
 import zmq
@@ -30,6 +31,8 @@ from .store import AdapterStore
 
 log = get_logger("adapter_store")
 IDLE_POLL_MS = 100
+# The launcher starts Redis first, but it may still be loading its AOF when the store comes up.
+REDIS_WAIT_S = 30.0
 
 
 class StoreService:
@@ -37,8 +40,11 @@ class StoreService:
         if not cfg.model_dir:
             raise ValueError("model_dir is required: adapters are checked against the base model's geometry")
         self.cfg = cfg
+        if cfg.allowed_root and not Path(cfg.allowed_root).is_dir():
+            raise ValueError(f"allowed_root {cfg.allowed_root!r} is not a folder")
         model = ModelConfig.from_dir(cfg.model_dir)
         registry = Registry(cfg.redis_url, cfg.key_prefix)
+        registry.wait_until_reachable(REDIS_WAIT_S)
         if cfg.require_durable_redis:
             registry.check_durable()
         self.arena = Arena(cfg.arena_bytes, cfg.arena_name or f"loraplex-arena-{os.getpid()}")
@@ -57,6 +63,8 @@ class StoreService:
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 1000)
+        # Only a guard against absurd frames: uploads over the cap but under this still get a clean 413.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_upload_bytes + 16 * 2**20)
         self.running = True
 
     def ping(self, msg: Ping) -> Pong:

@@ -102,3 +102,25 @@ def test_acquired_location_holds_the_packed_rows_for_the_engine_dtype(store_clie
     store_client.call(ReleaseAdapter(card.id, "worker-0"))
     assert refused(store_client, ReleaseAdapter(card.id, "worker-0")) == (409, "not_acquired")
     reader.close()
+
+
+def test_malformed_frames_get_an_error_reply_and_the_store_keeps_serving(store, store_client):
+    import zmq
+
+    from shared.wire import Ping, Pong, StoreError, decode, encode
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(store.address)
+    try:
+        for frames in ([b"NoSuchMessage", b"\x80"], [b"GetAdapter", b"\xc1"], [b"GetAdapter", b"\x81\xa4name\x07"],
+                       encode(Pong("not-for-the-store"))):
+            sock.send_multipart(frames)
+            assert sock.poll(10_000)
+            reply = decode(sock.recv_multipart())
+            assert isinstance(reply, StoreError) and reply.status == 400
+            assert reply.code in ("bad_message", "unsupported_message")
+    finally:
+        sock.close()
+    pong = store_client.call(Ping())
+    assert isinstance(pong, Pong) and pong.ready and pong.pid == store.proc.pid
