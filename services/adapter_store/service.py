@@ -112,7 +112,11 @@ class StoreService:
                         self.socket.send_multipart([identity, *reply], copy=False)
                 continue
             # 2) idle: load one prefetched adapter
-            self.store.warm_step()
+            try:
+                self.store.warm_step()
+            except Exception:  # e.g. Redis briefly away: a prefetch is only a hint, drop the rest of it
+                log.exception("warm_failed")
+                self.store.warm_queue.clear()
 
     def stop(self, *_args) -> None:
         self.running = False
