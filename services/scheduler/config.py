@@ -30,7 +30,8 @@ class SchedulerConfig:
     lookahead: int = _doc("queued requests considered per scheduling decision", 256)
     prefetch_adapters: int = _doc("adapters named in prefetch hints from the head of the queue, at most", 8)
     worker_max_running: int = _doc("requests a worker runs at once when its status does not say", 256)
-    heartbeat_timeout_s: float = _doc("a worker silent this long is treated as dead", 3.0)
+    heartbeat_timeout_s: float = _doc("a worker silent this long is treated as dead (a killed worker is noticed at once "
+                                      "from its closed connection; this catches hung ones)", 30.0)
     max_retries: int = _doc("times a request lost with a dead worker before streaming anything is requeued", 1)
     drain_timeout_s: float = _doc("on SIGTERM, time given to queued and running requests to finish", 30.0)
     log_level: str = _doc("log level: debug, info, warning, error", "info")

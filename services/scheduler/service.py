@@ -351,6 +351,10 @@ class Scheduler:
     def _worker_gone(self, worker: WorkerState, reason: str) -> None:
         """Requeue what the worker held and had not streamed yet; end the others with an error."""
         self.workers.pop(worker.worker_id, None)
+        if worker.requests:
+            # A worker declared dead may only be slow: make it drop what is being requeued or failed here,
+            # so it neither computes them for nobody nor finishes a requeued copy twice.
+            self.workers_sock.send(worker.identity, WorkerAbort(request_ids=list(worker.requests)))
         requeued = failed = 0
         for rid in list(worker.requests):
             flight = worker.remove(rid)

@@ -172,6 +172,8 @@ def test_silent_worker_is_declared_dead_after_heartbeat_timeout(start):
     wk.recv(Assign)
     rejected = gw.recv(RequestRejected, timeout=3)  # no retries allowed: a clean 503
     assert (rejected.request_id, rejected.status, rejected.code) == ("r1", 503, "worker_failed")
+    # If it was only slow, it must not go on computing a request that was answered already.
+    assert wk.recv(WorkerAbort).request_ids == ["r1"]
 
 
 def test_affinity_routes_to_the_worker_holding_the_adapter(start):
