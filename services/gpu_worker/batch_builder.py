@@ -64,6 +64,6 @@ def build_batch(scheduled: list[tuple[Sequence, int]], tables: LoraTables, devic
         lora = LoraBatch(tables=tables, token_adapter=dev(token_adapter, torch.int32), max_rank=tuple(max_rank),
                          seg_start=dev(seg_start, torch.int32), seg_adapter=dev(seg_adapter, torch.int32))
     batch = ForwardBatch(input_ids=dev(input_ids, torch.long), positions=dev(positions, torch.long),
-                         out_slots=dev(out_slots, torch.long), attn=attn, lora=lora,
+                         out_slots=dev(out_slots, torch.int32), attn=attn, lora=lora,
                          logits_index=dev(logits_index, torch.long))
     return batch, samplers

@@ -26,7 +26,7 @@ QKV, O, GATE_UP, DOWN = (0, 1, 2), (3,), (4, 5), (6,)
 class ForwardBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
-    out_slots: torch.Tensor  # int64 [T]: where each token's K/V goes
+    out_slots: torch.Tensor  # int32 [T]: where each token's K/V goes
     attn: AttnMeta
     lora: LoraBatch | None
     logits_index: torch.Tensor  # int64 [N]: tokens whose next-token logits are wanted
@@ -57,14 +57,17 @@ class LlamaModel:
         max_rank = lora.group_max_rank(modules)
         if max_rank == 0:
             return
-        y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, lora.tables, modules, max_rank)
-        self.ops.lora_expand(y, pool.v(layer), lora.token_adapter, lora.tables, modules, out, out_dims)
+        hints = lora.kernel_args
+        y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, lora.tables, modules, max_rank, **hints)
+        self.ops.lora_expand(y, pool.v(layer), lora.token_adapter, lora.tables, modules, out, out_dims, **hints)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
         """Logits `[N, vocab]` (fp32) for the tokens in `batch.logits_index`."""
         cfg, ops, lora = self.cfg, self.ops, batch.lora
         num_tokens = batch.input_ids.shape[0]
+        if lora is not None and hasattr(ops, "prepare_lora"):
+            ops.prepare_lora(lora)
         h = self.w.embed[batch.input_ids]
         for i, lw in enumerate(self.w.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)

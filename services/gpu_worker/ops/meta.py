@@ -1,7 +1,7 @@
 """Per-step metadata the attention and LoRA ops read. Built once per step by the engine."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,8 @@ class LoraBatch:
     # Segment form for prefill: runs of consecutive tokens that share one adapter.
     seg_start: torch.Tensor | None = None  # int32 [S + 1]
     seg_adapter: torch.Tensor | None = None  # int32 [S]
+    # Backend-specific launch hints (e.g. tokens grouped by adapter); they never change results.
+    kernel_args: dict = field(default_factory=dict)
 
     def group_max_rank(self, modules: tuple[int, ...]) -> int:
         return max(self.max_rank[m] for m in modules)

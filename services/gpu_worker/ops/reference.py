@@ -52,9 +52,10 @@ def _rows(buf: torch.Tensor, slot_list: torch.Tensor, start: int, rank: int, len
 
 
 def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
-                modules: tuple[int, ...], max_rank: int) -> torch.Tensor:
+                modules: tuple[int, ...], max_rank: int, **launch_hints) -> torch.Tensor:
     """y[g, t, :r] = x[t] @ A_{g}ᵀ for the adapter of token t; zero beyond its rank and for base-only
-    tokens. Returns `[len(modules), T, max_rank]` in x's dtype (accumulated in fp32)."""
+    tokens. Returns `[len(modules), T, max_rank]` in x's dtype (accumulated in fp32). `launch_hints`
+    (segment grouping for kernels) do not change the result and are ignored here."""
     num_tokens, fan_in = x.shape
     y = torch.zeros(len(modules), num_tokens, max_rank, dtype=x.dtype, device=x.device)
     for aid in torch.unique(token_adapter).tolist():
@@ -71,7 +72,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
 
 
 def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
-                modules: tuple[int, ...], out: torch.Tensor, out_dims: tuple[int, ...]) -> None:
+                modules: tuple[int, ...], out: torch.Tensor, out_dims: tuple[int, ...], **launch_hints) -> None:
     """out[t, cols of module g] += y[g, t, :r] @ (scaled B_g)ᵀ, in place. `out` is `[T, sum(out_dims)]`,
     module g owning columns sum(out_dims[:g]) ... + out_dims[g] (fused q/k/v or gate/up outputs)."""
     col = 0

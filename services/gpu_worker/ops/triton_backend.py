@@ -1,0 +1,16 @@
+"""CUDA backend: the Triton kernels, with per-step LoRA grouping done once and shared by every layer."""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import attention, group_tokens_by_adapter, lora_expand, lora_shrink, write_kv
+from .meta import LoraBatch
+
+__all__ = ["write_kv", "attention", "lora_shrink", "lora_expand", "prepare_lora"]
+
+
+def prepare_lora(lora: LoraBatch) -> None:
+    """Sort the step's tokens by adapter on the device (no host sync), so each adapter's rows are read once
+    per step by the segment form of shrink and expand, at decode and prefill alike."""
+    groups = group_tokens_by_adapter(lora.token_adapter, lora.tables.ranks.shape[0])
+    lora.kernel_args = {**groups.kwargs(), "max_seg_len": int(lora.token_adapter.shape[0])}
