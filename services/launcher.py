@@ -172,7 +172,7 @@ class Launcher:
             age = time.time() - worker_ready_file(child).stat().st_mtime
         except FileNotFoundError:
             return True  # restarted and not ready yet: the startup deadline covers it
-        return age < self.config.worker_hang_timeout_s
+        return age < self.config.heartbeat_timeout_s
 
     # ---- 2) start --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -231,7 +231,7 @@ class Launcher:
                     child.wait(5.0)
             elif child.alive_check is not None and not child.alive_check(child):
                 log.error("child.hung", child=child.name, pid=child.pid,
-                          timeout_s=self.config.worker_hang_timeout_s)
+                          timeout_s=self.config.heartbeat_timeout_s)
                 child.signal(signal.SIGKILL)
                 child.wait(5.0)
             if child.running():

@@ -58,7 +58,8 @@ def store_command(config: LauncherConfig, t: Topology, dtype: str) -> list[str]:
 
 def scheduler_command(config: LauncherConfig, t: Topology) -> list[str]:
     flags = {"--gateway-bind": t.scheduler_gateway_bind, "--worker-bind": t.scheduler_worker_bind,
-             "--store-addr": t.store_addr, "--drain-timeout-s": f"{config.drain_timeout_s:g}"}
+             "--store-addr": t.store_addr, "--drain-timeout-s": f"{config.drain_timeout_s:g}",
+             "--heartbeat-timeout-s": f"{config.heartbeat_timeout_s:g}"}
     argv = _argv("services.scheduler", flags, config, "scheduler")
     return argv + (["--log-json"] if config.log_json else [])
 

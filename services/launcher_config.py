@@ -36,7 +36,8 @@ class LauncherConfig:
     api_keys_file: str = _doc('JSON file {"admin_keys": [...], "tenants": {...}} enabling auth; empty = no auth', "")
     drain_timeout_s: float = _doc("on Ctrl-C/SIGTERM, time in-flight requests get to finish", 30.0)
     ready_timeout_s: float = _doc("time each service gets to report ready at startup", 300.0)
-    worker_hang_timeout_s: float = _doc("a worker whose heartbeat stops this long is killed and restarted", 20.0)
+    heartbeat_timeout_s: float = _doc("a worker silent this long is dead: the scheduler requeues or fails its requests "
+                                      "and the launcher kills and restarts it (CPU steps can take seconds)", 10.0)
     demo_adapters: int = _doc("demo adapters created and registered with the embedded default model", 4)
     log_json: bool = _doc("services log one JSON object per line", False)
     set: list = _doc("extra flag for one service, SERVICE.FLAG=VALUE (repeatable), e.g. scheduler.max_queue=64", None)
@@ -50,6 +51,8 @@ class LauncherConfig:
             raise ValueError("--workers and --tp must be at least 1")
         if self.device and self.device.split(":")[0] not in ("cuda", "cpu"):
             raise ValueError(f"--device must be cuda or cpu, got {self.device!r}")
+        if self.heartbeat_timeout_s <= 0 or self.drain_timeout_s < 0 or self.ready_timeout_s <= 0:
+            raise ValueError("--heartbeat-timeout-s and --ready-timeout-s must be positive, --drain-timeout-s >= 0")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         for item in self.set:

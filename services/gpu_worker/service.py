@@ -162,13 +162,17 @@ class WorkerService:
     # ---- 2) step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if not self.engine.has_unfinished():
-            self.loader.release_evicted(set(self.engine.adapters.names))
+            self.loader.release_evicted(self.held_adapters())
             return []
         outputs = self.engine.step()
-        # The engine copied rows into its pool when it loaded an adapter; the store's pin is held for as
-        # long as that copy is resident, and dropped once the engine evicts it.
-        self.loader.release_evicted(set(self.engine.adapters.names))
+        self.loader.release_evicted(self.held_adapters())
         return outputs
+
+    def held_adapters(self) -> set[str]:
+        """Adapters whose arena bytes the engine may still read: resident in its pool (the store's pin is
+        kept for as long as that copy lives) or staged for a waiting request and not yet copied."""
+        adapters = self.engine.adapters
+        return set(adapters.names) | set(getattr(adapters, "_staged", ()))
 
     # ---- 3) emit -------------------------------------------------------------------------------
     def emit(self, outputs: list[RequestOutput]) -> None:
@@ -197,10 +201,9 @@ class WorkerService:
             worker_id=self.config.worker_id, step=self.status_step, total_slots=cap["total_slots"],
             free_slots=cap["free_slots"], kv_slots=cap["kv_slots"], adapter_slots=cap["adapter_slots"],
             running=cap["running"], waiting=cap["waiting"], resident_adapters=list(cap["resident_adapters"]),
-            finished_request_ids=self.finished_ids, ready=not self.stopping,
+            finished_request_ids=self.finished_ids, ready=not self.stopping, max_running=self.max_running,
+            adapter_loads=cap["adapter_loads"], adapter_load_bytes=cap["adapter_bytes_loaded"],
         )
-        if "max_running" in getattr(WorkerStatus, "__dataclass_fields__", {}):
-            status.max_running = self.max_running
         self._send(status)
         self.finished_ids = []
         self.last_status = now
@@ -224,10 +227,16 @@ class WorkerService:
     def run_once(self) -> None:
         busy = self.engine.has_unfinished() or bool(self.pending_outputs)
         self.drain(0.0 if busy else self.config.heartbeat_s / 2)
+        started = self.clock()
         self.load_prefetched()
         outputs = self.step()
         self.emit(outputs)
         self.report(force=bool(outputs) or bool(self.finished_ids) or self.engine.has_unfinished())
+        took = self.clock() - started
+        if took > 4 * self.config.heartbeat_s:
+            # The scheduler declares a worker dead after a few silent heartbeats: say why we were silent.
+            log.warning("worker.slow_step", seconds=round(took, 3), running=len(self.engine.running),
+                        waiting=len(self.engine.waiting))
 
     def run(self) -> None:
         if self.config.ready_file:
