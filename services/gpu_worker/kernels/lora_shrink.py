@@ -176,14 +176,16 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
                          device: torch.device, segmented: bool, max_seg_len: int | None = None,
                          num_segments: int | None = None) -> ShrinkConfig:
     """Enough programs to keep every multiprocessor streaming adapter rows, from few tokens (split the
-    input dimension) or from many (split tokens into chunks for long prefill segments)."""
+    input dimension) or from many (split tokens into chunks for long prefill segments). The GEMV loop's
+    loads are not software-pipelined, so memory parallelism comes from many resident programs: aim for
+    several per multiprocessor."""
     block_k = pow2_divisor(width, 128)
     if block_k < 16:
         block_k = 32  # rows straddle slots inside a tile: the unaligned path
     cap_r = 64 if not segmented else 128
     block_r = min(max(16, next_pow2(max_rank)), cap_r)
     r_tiles = cdiv(max(max_rank, 1), block_r)
-    target = 4 * num_sms(device)
+    target = 8 * num_sms(device)
     block_m, chunk = 16, 0
     if segmented:
         n_units = num_segments if num_segments is not None else num_tokens

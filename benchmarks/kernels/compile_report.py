@@ -1,0 +1,101 @@
+"""Compile every kernel for sm_90 (H100/H200) on a machine without a GPU, through the real launchers at
+Llama shapes, and report registers, spills and shared memory per specialisation.
+
+Catches compile errors and local-memory spills before spending device time. Uses Triton's bundled ptxas
+and cuobjdump; launches nothing. Usage: python -m benchmarks.kernels.compile_report
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("unset TRITON_INTERPRET: this compiles real GPU code")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
+from triton.runtime import jit as triton_jit  # noqa: E402
+
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config, paged_kv  # noqa: E402
+from services.gpu_worker import kernels  # noqa: E402
+from services.gpu_worker.kernels import lora_expand, lora_shrink, paged_attention  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+RESULTS: list[dict] = []
+_CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _resources(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+    return found
+
+
+def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
+    backend = make_backend(TARGET)
+    kwargs["debug"] = False
+    kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+    binder = triton_jit.create_function_from_signature(self.signature, self.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
+    compiled = triton_compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    consts = {k: v for k, v in kwargs.items() if k.isupper() or k in ("num_warps", "num_stages")}
+    RESULTS.append({"kernel": self.__name__, "grid": tuple(grid), **_resources(compiled.asm["cubin"]),
+                    "smem_meta": compiled.metadata.shared, "consts": consts})
+    return None
+
+
+def launch_everything(dtype=torch.bfloat16) -> None:
+    """The launches the GPU proof makes, at the same shapes (kernels compile, nothing runs)."""
+    for model in ("llama2-7b", "llama3-8b"):
+        cfg = llama_config(model)
+        pool = AdapterPool(cfg, [8, 16, 32, 64], dtype, "cpu")
+        for modules in GROUPS.values():
+            fan_in, out_dims = group_dims(cfg, modules)
+            for num_tokens in (1, 4, 16, 64, 128, 256, 512):
+                token_adapter = (torch.arange(num_tokens, dtype=torch.int32) * 7) % 4
+                x = torch.zeros(num_tokens, fan_in, dtype=dtype)
+                out = torch.zeros(num_tokens, sum(out_dims), dtype=dtype)
+                for kwargs in ({}, kernels.group_tokens_by_adapter(token_adapter, 100).kwargs()):
+                    y = kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, 64, **kwargs)
+                    kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, **kwargs)
+            seg = dict(seg_start=torch.tensor([0, 700, 1024], dtype=torch.int32),
+                       seg_adapter=torch.tensor([1, 3], dtype=torch.int32), max_seg_len=700)
+            token_adapter = torch.tensor([1] * 700 + [3] * 324, dtype=torch.int32)
+            x = torch.zeros(1024, fan_in, dtype=dtype)
+            out = torch.zeros(1024, sum(out_dims), dtype=dtype)
+            y = kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, 64, **seg)
+            kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, **seg)
+        for q_lens, ctx_lens in (([1] * 32, [2048] * 32), ([1] * 4, [512] * 4), ([2048] * 2, [2048] * 2)):
+            kv, meta = paged_kv(cfg, q_lens, ctx_lens, dtype, "cpu")
+            q = torch.zeros(sum(q_lens), cfg.num_heads, cfg.head_dim, dtype=dtype)
+            kernels.attention(q, kv[0], kv[1], meta, cfg.head_dim ** -0.5)
+        kernels.write_kv(kv[0], kv[1], torch.arange(8, dtype=torch.int32), kv[0][:8].clone(), kv[1][:8].clone())
+
+
+def main() -> None:
+    triton_jit.JITFunction.run = _compile_instead_of_launch
+    for module in (lora_shrink, lora_expand, paged_attention):
+        module.num_sms = lambda device: 132  # launch shapes as on an H200
+    launch_everything()
+    seen = set()
+    for r in RESULTS:
+        key = (r["kernel"], repr(r["consts"]))
+        if key in seen:
+            continue
+        seen.add(key)
+        flag = "  <-- SPILLS" if r.get("LOCAL", 0) or r.get("STACK", 0) else ""
+        print(f"{r['kernel']:<24} regs={r.get('REG')} stack={r.get('STACK')} local={r.get('LOCAL')} "
+              f"smem={r['smem_meta']} {r['consts']}{flag}")
+
+
+if __name__ == "__main__":
+    main()

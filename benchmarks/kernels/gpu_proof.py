@@ -1,0 +1,119 @@
+"""The kernels' GPU proof in one run: ceilings, bf16 correctness at Llama shapes, LoRA and attention
+microbenchmarks, launch-shape sweeps. Writes kernels.json (everything), kernels.md (tables) and PNG plots
+to the output folder; prints the tables last.
+
+    python -m benchmarks.kernels.gpu_proof --out DIR            # on the GPU
+    python -m benchmarks.kernels.gpu_proof --out DIR --smoke    # CPU, Triton interpreter, tiny shapes
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from benchmarks.kernels import bench_attention, bench_lora, ceilings, correctness  # noqa: E402
+from benchmarks.kernels.report import write_plots, write_tables  # noqa: E402
+
+
+def environment() -> dict:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "command": " ".join(["python -m benchmarks.kernels.gpu_proof"] + sys.argv[1:])}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1),
+                   cuda=torch.version.cuda)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem",
+                                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return env
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
+    ap.add_argument("--only", default="", help="comma list of sections to run (default all)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    smoke = args.smoke
+    device = "cpu" if smoke else "cuda"
+    dtype = torch.float16 if smoke else torch.bfloat16  # bf16 tl.dot is wrong in the interpreter
+    big, gqa = ("tiny", "tiny") if smoke else ("llama2-7b", "llama3-8b")
+    batches = [1, 5] if smoke else [1, 4, 16, 64, 128, 256, 512]
+    contexts = [40] if smoke else [512, 1024, 2048, 4096, 8192]
+    layers = 2 if smoke else 8
+    n_adapters = 6 if smoke else 100
+    results: dict = {"env": environment(), "errors": {}}
+
+    def attention_variants(c):
+        return {"block_n 32": replace(c, block_n=32), "block_n 128": replace(c, block_n=128),
+                "stages 2": replace(c, num_stages=2), "stages 4": replace(c, num_stages=4),
+                "split x2": replace(c, n_split=c.n_split * 2), "warps 8": replace(c, num_warps=8)}
+
+    sections = {
+        "ceilings": lambda: {"copy_gbs": ceilings.copy_bandwidth_gbs(), "matmul_tflops": ceilings.matmul_tflops()},
+        "correctness": lambda: (correctness.run_all(dtype, device, models=(big,) if smoke else None)
+                                + [{"check": "bmm baseline agrees with ours", "model": big, "tokens": 48,
+                                    "rel_err": bench_lora.check_baselines_agree(big, dtype=dtype, device=device),
+                                    "ok": None}]),
+        "lora": lambda: (bench_lora.bench_group(big, "qkv", batches, n_adapters, layers, dtype=dtype, device=device)
+                         + bench_lora.bench_group(big, "gate_up", batches, n_adapters, layers, dtype=dtype,
+                                                  device=device)),
+        "lora_sweep": lambda: [r for t in ([5] if smoke else [64, 256])
+                               for r in bench_lora.sweep_launch_shapes(big, "qkv", t, n_adapters, layers,
+                                                                       dtype=dtype, device=device)],
+        "attention": lambda: [r for m in (big, gqa)
+                              for r in bench_attention.bench_decode(m, contexts, dtype,
+                                                                    attention_variants if m == big else None,
+                                                                    device=device,
+                                                                    min_bytes=1 if smoke else 256 << 20)],
+        "prefill": lambda: [bench_attention.bench_prefill(m, 2 if smoke else 4, 20 if smoke else 2048, dtype, device)
+                            for m in (big, gqa)],
+    }
+    if smoke:
+        sections.pop("ceilings")
+    only = [s for s in args.only.split(",") if s]
+    # Headline numbers first, so a run cut short still has them.
+    order = ["ceilings", "correctness", "attention", "lora", "prefill", "lora_sweep"]
+    for name in order:
+        fn = sections.get(name)
+        if fn is None or (only and name not in only):
+            continue
+        t0 = time.time()
+        try:
+            results[name] = fn()
+        except Exception:
+            results["errors"][name] = traceback.format_exc()[-3000:]
+            print(f"section {name} failed:\n{results['errors'][name]}", flush=True)
+        results.setdefault("section_seconds", {})[name] = round(time.time() - t0, 1)
+        print(f"section {name}: {results['section_seconds'][name]} s", flush=True)
+        (out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))
+    tables = write_tables(results)
+    (out / "kernels.md").write_text(tables)
+    try:
+        write_plots(results, out)
+    except ImportError as exc:
+        print(f"no plots: {exc}")
+    print(tables)
+
+
+if __name__ == "__main__":
+    main()
