@@ -421,6 +421,8 @@ class Scheduler:
         cfg = self.config
         if not cfg.prefetch_adapters:
             return
+        if not self.queue and not any(w.hinted for w in self.workers.values()):
+            return  # nothing waiting and nothing announced: no hint can change
         views = [w.view(cfg.worker_max_running) for w in self.workers.values()]
         head = islice(service_order(self.queue, overloaded, self.in_service), cfg.lookahead)
         hints = prefetch_plan(head, views, cfg.prefetch_adapters)
