@@ -250,7 +250,7 @@ def _parse_targets(value, cfg: ModelConfig) -> tuple[str, ...] | str:
     supported = ", ".join(MODULES)
     if value is None:
         return DEFAULT_TARGETS
-    if value == "all-linear" or value == ["all-linear"]:
+    if isinstance(value, str) and value.lower() == "all-linear":  # PEFT's shorthand; lm_head is excluded
         return MODULES
     if isinstance(value, str):
         _regex(value, "target_modules")

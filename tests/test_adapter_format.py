@@ -95,6 +95,16 @@ def test_regex_target_modules_and_layers_to_transform(cfg):
     assert w.modules["k_proj"][0] is None and w.modules["k_proj"][1].rank == 4
 
 
+def test_all_linear_and_peft_default_targets(cfg):
+    config, tensors = valid_adapter(cfg, targets=MODULES)
+    config["target_modules"] = "all-linear"
+    assert set(load(config, tensors, cfg).modules) == set(MODULES)
+    # target_modules null: PEFT's default for the Llama family, q_proj and v_proj.
+    config, tensors = valid_adapter(cfg, targets=("q_proj", "v_proj"))
+    config["target_modules"] = None
+    assert set(load(config, tensors, cfg).modules) == {"q_proj", "v_proj"}
+
+
 def peft_adapter(base_dir, out_dir, seed, **lora_kwargs):
     """An adapter made and saved by peft itself, with random nonzero A and B."""
     from peft import LoraConfig, get_peft_model
