@@ -141,7 +141,8 @@ PEFT_CASES = {
                             alpha_pattern={"up_proj": 5, r"layers\.1\.self_attn\.v_proj": 7, "self_attn": 99},
                             use_rslora=True),
     "layers-subset": dict(r=6, lora_alpha=3, target_modules=["k_proj", "o_proj", "gate_proj"], layers_to_transform=[1]),
-    "regex-targets": dict(r=2, lora_alpha=4, target_modules=r".*\.(q_proj|k_proj|v_proj|o_proj)"),
+    "regex-targets": dict(r=2, lora_alpha=4, target_modules=r".*\.(q_proj|k_proj|v_proj|o_proj)",
+                          exclude_modules=["model.layers.0.self_attn.k_proj"]),
 }
 
 
