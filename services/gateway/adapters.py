@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from services.gateway.auth import Caller, require_admin
 from services.gateway.errors import ApiError, bad_request
 from services.gateway.inference import read_body
-from services.gateway.state import GatewayState
+from services.gateway.state import LOOKUP_TIMEOUT_S, GatewayState
 from services.gateway.validation import parse_json
 from shared.wire import (
     AdapterCard, AdapterList, AdapterRegistered, DeleteAdapter, GetAdapter, ListAdapters, RegisterAdapter,
@@ -77,6 +77,7 @@ async def _register(request: Request) -> Response:
 def _registered(state: GatewayState, reply) -> Response:
     if not isinstance(reply, AdapterRegistered):
         raise ApiError(500, f"unexpected reply from the adapter store: {type(reply).__name__}", None, "internal_error")
+    state.forget_adapter(reply.card.name)
     state.log.info("adapter registered" if reply.created else "adapter already registered",
                    adapter=reply.card.id, tenant=reply.card.tenant)
     return JSONResponse(card_json(reply.card, state.residency(reply.card)), status_code=201 if reply.created else 200)
@@ -124,7 +125,7 @@ async def _from_form(request: Request, state: GatewayState) -> RegisterAdapter:
 async def list_adapters(request: Request) -> Response:
     async def handler():
         state, _ = _admin(request)
-        listing = await state.store.call(ListAdapters(all_tenants=True))
+        listing = await state.store.call(ListAdapters(all_tenants=True), timeout_s=LOOKUP_TIMEOUT_S)
         assert isinstance(listing, AdapterList)
         gpu = state.gpu_resident()
         return JSONResponse({"object": "list", "data": [card_json(c, state.residency(c, gpu)) for c in listing.cards]})
@@ -134,7 +135,8 @@ async def list_adapters(request: Request) -> Response:
 async def get_adapter(request: Request) -> Response:
     async def handler():
         state, _ = _admin(request)
-        card = await state.store.call(GetAdapter(name=request.path_params["name"], tenant=_tenant_param(request)))
+        card = await state.store.call(GetAdapter(name=request.path_params["name"], tenant=_tenant_param(request)),
+                                      timeout_s=LOOKUP_TIMEOUT_S)
         return JSONResponse(card_json(card, state.residency(card)))
     return await _counted(request, "get", handler)
 
@@ -144,6 +146,7 @@ async def delete_adapter(request: Request) -> Response:
         state, _ = _admin(request)
         name, tenant = request.path_params["name"], _tenant_param(request)
         await state.store.call(DeleteAdapter(name=name, tenant=tenant))
+        state.forget_adapter(name)
         state.log.info("adapter deleted", adapter_name=name, tenant=tenant)
         return Response(status_code=204)
     return await _counted(request, "delete", handler)
@@ -174,6 +177,7 @@ async def unload_lora_adapter(request: Request) -> Response:
             raise bad_request(f"unrecognized field(s): {', '.join(unknown)}", unknown[0], "unknown_parameter")
         name = _str_field(body, "lora_name")
         await state.store.call(DeleteAdapter(name=name))
+        state.forget_adapter(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
     return await _counted(request, "delete", handler)
 
@@ -184,7 +188,7 @@ async def list_models(request: Request) -> Response:
     state: GatewayState = request.app.state.gateway
     try:
         caller = state.keys.caller(request.headers.get("authorization"))
-        listing = await state.store.call(ListAdapters(tenant=caller.tenant))
+        listing = await state.store.call(ListAdapters(tenant=caller.tenant), timeout_s=LOOKUP_TIMEOUT_S)
     except ApiError as e:
         return e.response()
     gpu = state.gpu_resident()

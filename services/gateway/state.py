@@ -19,6 +19,8 @@ from shared.model_config import ModelConfig
 from shared.wire import AdapterCard, AdapterList, GetAdapter, ListAdapters
 
 TIERS_MAX_AGE_S = 2.0  # /metrics re-lists adapters at most this often
+LOOKUP_TIMEOUT_S = 10.0  # an inference request waits at most this long for its adapter's card
+CARD_TTL_S = 2.0  # resolved adapter names are reused this long (this gateway's own deletes drop them at once)
 
 
 class GatewayState:
@@ -43,6 +45,7 @@ class GatewayState:
         self.metrics = GatewayMetrics(self.scheduler.view, lambda: self.tiers)
         self.draining = False
         self.inflight = 0  # inference requests between validation and their last byte
+        self.cards: dict[tuple[str, str], tuple[float, str]] = {}  # (tenant, name) -> (resolved at, adapter id)
 
     async def start(self) -> None:
         await self.scheduler.start()
@@ -80,15 +83,29 @@ class GatewayState:
         """Adapter id for `model`, None for the base model; 404 for anything else (never the base)."""
         if name == self.base_name:
             return None
+        key = (caller.tenant, name)
+        cached = self.cards.get(key)
+        if cached is not None and time.monotonic() - cached[0] < CARD_TTL_S:
+            return cached[1]
         try:
-            card = await self.store.call(GetAdapter(name=name, tenant=caller.tenant))
+            card = await self.store.call(GetAdapter(name=name, tenant=caller.tenant), timeout_s=LOOKUP_TIMEOUT_S)
         except ApiError as e:
             if e.status in (400, 404):
+                self.cards.pop(key, None)
                 raise ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found") from None
             raise
         if not isinstance(card, AdapterCard) or card.status != "ready":
+            self.cards.pop(key, None)
             raise ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found")
+        if len(self.cards) > 10_000:
+            self.cards.clear()
+        self.cards[key] = (time.monotonic(), card.id)
         return card.id
+
+    def forget_adapter(self, name: str) -> None:
+        """After a delete or re-registration here, no request of this gateway may use the old card."""
+        for key in [k for k in self.cards if k[1] == name]:
+            del self.cards[key]
 
     def gpu_resident(self) -> set[str]:
         return {a for status in self.scheduler.view.workers.values() for a in status.resident_adapters}

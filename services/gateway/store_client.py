@@ -74,11 +74,19 @@ class StoreClient:
                 self.log.warning("malformed message from store", error=str(e))
                 continue
             if isinstance(msg, Pong) and msg.call_id == "health":
+                if self.pong is not None and msg.pid != self.pong.pid:
+                    self._fail_pending("the adapter store restarted before answering")
                 self.pong, self.pong_at = msg, time.monotonic()
                 continue
             future = self.pending.get(getattr(msg, "call_id", ""))
             if future is not None and not future.done():
                 future.set_result(msg)
+
+    def _fail_pending(self, message: str) -> None:
+        """Calls sent to a store process that is gone will never be answered: fail them now."""
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(ApiError(503, message, None, "store_unavailable", retry_after=1))
 
     async def _ping(self) -> None:
         while True:

@@ -55,6 +55,8 @@ class FakePeers:
             self.cards: dict[tuple[str, str], AdapterCard] = {}
             self.resident: list[str] = []
             self.scheduler_answers = True
+            self.store_pid = os.getpid()
+            self.store_holds: tuple = ()  # store request types left unanswered, as by a store that died
             self.workers_ready = 1
             # request -> list of (delay_s, event) where event is a TokenOutput or a RequestRejected
             self.script = lambda submit: [(0.0, TokenOutput(submit.request_id, np.array([5, 6], np.int32), True, "length"))]
@@ -113,7 +115,9 @@ class FakePeers:
         with self.lock:
             self.store_calls.append(msg)
             if isinstance(msg, Ping):
-                return Pong("adapter_store", True, os.getpid(), msg.call_id)
+                return Pong("adapter_store", True, self.store_pid, msg.call_id)
+            if isinstance(msg, self.store_holds):
+                return None
             if isinstance(msg, GetAdapter):
                 found = self.cards.get((msg.tenant, msg.name)) or self.cards.get(("", msg.name))
                 if found is None:

@@ -1,5 +1,6 @@
 """The gateway process over real HTTP, with its scheduler and adapter_store played on real ZeroMQ sockets."""
 import json
+import threading
 import time
 
 import httpx
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from services.gateway.tokenizer import ModelTokenizer
-from shared.wire import RequestRejected, TokenOutput
+from shared.wire import RegisterAdapter, RequestRejected, TokenOutput
 from tests.gateway.peers import card
 
 TEXT = "héllo wörld ✓ 你好"
@@ -247,3 +248,20 @@ def test_silent_scheduler_fails_open_requests_cleanly(gateway, peers):
     peers.script = stream_text([337])
     time.sleep(0.3)
     assert httpx.post(gateway.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_store_restart_fails_calls_the_old_process_never_answered(gateway, peers):
+    peers.store_holds = (RegisterAdapter,)
+    result = {}
+
+    def upload():
+        result["r"] = httpx.post(gateway.url + "/v1/adapters", json={"name": "lost", "path": "/srv/lost"}, timeout=30)
+
+    caller = threading.Thread(target=upload)
+    caller.start()
+    peers.wait_for(lambda: any(isinstance(c, RegisterAdapter) for c in peers.store_calls))
+    started = time.monotonic()
+    peers.store_pid += 1  # the next Pong comes from a new store process
+    caller.join(10)
+    assert result["r"].status_code == 503 and result["r"].json()["error"]["code"] == "store_unavailable"
+    assert time.monotonic() - started < 2
