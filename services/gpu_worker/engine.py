@@ -19,9 +19,11 @@ from shared.lora_weights import LoraWeights
 from shared.model_config import MODULES, ModelConfig
 
 from .adapter_layout import PackedAdapter, pack_adapter
+from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
 from .model import LlamaModel
 from .ops import select_backend
+from .page_table import PageTable
 from .pool import UnifiedPool
 from .requests import EngineRequest, RequestOutput, Sequence
 from .resident_adapters import ResidentAdapters
@@ -45,8 +47,11 @@ class Engine:
         num_slots = config.num_slots or self._slots_from_memory()
         self.pool = UnifiedPool(cfg.num_layers, num_slots, cfg.kv_dim, self.dtype, self.device)
         self._local_adapters: dict[str, PackedAdapter] = {}
+        self.copier = SideStreamCopier(self.pool) if self.device.type == "cuda" else None
         self.adapters = ResidentAdapters(self.pool, cfg, config.max_resident_adapters, config.max_lora_rank,
-                                         adapter_loader or self._local_adapters.__getitem__)
+                                         adapter_loader or self._local_adapters.__getitem__,
+                                         copy_rows=self.copier.copy if self.copier else None)
+        self.page_table = PageTable(config.max_running_requests, self.max_model_len, self.device)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self._by_id: dict[str, Sequence] = {}
@@ -77,6 +82,8 @@ class Engine:
     def register_adapter(self, name: str, weights: LoraWeights) -> PackedAdapter:
         """In-process adapter source (tests, demo); services load adapters from the arena instead."""
         packed = pack_adapter(weights, self.cfg, self.cfg.kv_dim, self.dtype)
+        if self.device.type == "cuda":
+            packed.rows = packed.rows.pin_memory()  # pinned, so loads are asynchronous DMA copies
         self._local_adapters[name] = packed
         return packed
 
@@ -115,7 +122,9 @@ class Engine:
         outputs, self._pending = self._pending, []
         if not scheduled:
             return outputs
-        batch, samplers = build_batch(scheduled, self.adapters.tables, self.device)
+        batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)
+        if self.copier is not None:
+            self.copier.order_before_compute()
         logits = self.model.forward(batch, self.pool)
         self.step_count += 1
         for seq, n in scheduled:
@@ -157,7 +166,7 @@ class Engine:
                     break
             if seq not in self.running:
                 continue
-            seq.slots += alloc.allocate(n)
+            self._give_slots(seq, n)
             scheduled.append((seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
@@ -189,11 +198,17 @@ class Engine:
             self.waiting.popleft()
             seq.order = self._order
             self._order += 1
-            seq.slots = alloc.allocate(n)
+            seq.row = self.page_table.assign_row()
+            self._give_slots(seq, n)
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    def _give_slots(self, seq: Sequence, n: int) -> None:
+        new = self.pool.allocator.allocate(n)
+        self.page_table.append(seq.row, len(seq.slots), new)
+        seq.slots += new
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running request's KV and queue it first in line; it is recomputed when readmitted."""
@@ -209,6 +224,9 @@ class Engine:
         if seq.slots:
             self.pool.allocator.free(seq.slots)
             seq.slots = []
+        if seq.row is not None:
+            self.page_table.release_row(seq.row)
+            seq.row = None
         if seq.adapter is not None:
             self.adapters.release(seq.adapter.name)
             seq.adapter = None

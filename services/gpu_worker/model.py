@@ -24,12 +24,12 @@ QKV, O, GATE_UP, DOWN = (0, 1, 2), (3,), (4, 5), (6,)
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
+    input_ids: torch.Tensor  # int32 [T]
+    positions: torch.Tensor  # int32 [T]
     out_slots: torch.Tensor  # int32 [T]: where each token's K/V goes
     attn: AttnMeta
     lora: LoraBatch | None
-    logits_index: torch.Tensor  # int64 [N]: tokens whose next-token logits are wanted
+    logits_index: torch.Tensor  # int32 [N]: tokens whose next-token logits are wanted
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

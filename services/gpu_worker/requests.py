@@ -41,6 +41,7 @@ class Sequence:
         self.tokens = list(req.prompt_ids)
         self.prompt_len = len(req.prompt_ids)
         self.slots: list[int] = []
+        self.row: int | None = None  # page-table row while running
         self.num_computed = 0
         self.adapter: Resident | None = None
         self.generator = req.sampling.make_generator()

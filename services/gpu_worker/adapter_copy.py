@@ -1,0 +1,38 @@
+"""Adapter loads on CUDA: one host-to-device copy per adapter on a side stream, then one scatter of its
+rows into pool slots, ordered before the next forward by an event rather than a host sync.
+
+One large copy from pinned (or cudaHostRegister-ed arena) memory runs near the bus bandwidth; copying
+an adapter row by row is several times slower, hence the staging buffer.
+"""
+from __future__ import annotations
+
+import torch
+
+from .adapter_layout import PackedAdapter
+from .pool import UnifiedPool
+
+
+class SideStreamCopier:
+    def __init__(self, pool: UnifiedPool):
+        self.pool = pool
+        self.stream = torch.cuda.Stream(device=pool.device)
+        self._pending: list[torch.cuda.Event] = []
+
+    def copy(self, slots: torch.Tensor, packed: PackedAdapter) -> None:
+        # The pool rows being overwritten belonged to freed KV or evicted adapters, which no queued kernel
+        # reads any more: every step ends with a sync on its sampled tokens.
+        self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        with torch.cuda.stream(self.stream):
+            staged = packed.rows.to(self.pool.device, dtype=self.pool.dtype, non_blocking=True)
+            index = slots.to(self.pool.device, non_blocking=True)
+            self.pool.kv[:, :, index] = staged
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._pending.append(event)
+
+    def order_before_compute(self) -> None:
+        """Make the compute stream wait for every copy issued since the last step."""
+        stream = torch.cuda.current_stream(self.pool.device)
+        for event in self._pending:
+            stream.wait_event(event)
+        self._pending.clear()
