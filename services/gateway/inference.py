@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway.detokenize import IncrementalDetokenizer
@@ -39,11 +39,14 @@ async def read_body(request: Request, limit: int) -> bytes:
         if int(declared) > limit:
             raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}", None, "payload_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", None, "payload_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", None, "payload_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, "the client disconnected while sending the body", None, "client_disconnected") from None
     body = b"".join(chunks)
     request._body = body  # later readers (form parsing) see the same bytes
     return body

@@ -83,10 +83,10 @@ class PeerSocket:
         except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; its disconnect is handled on its own
             return False
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         self.sock.disable_monitor()
         self.monitor.close(0)
-        self.sock.close(0)
+        self.sock.close(linger_ms)
 
 
 class Scheduler:
@@ -139,12 +139,10 @@ class Scheduler:
         self.log.info("scheduler ready", gateway_bind=self.gateways.address, worker_bind=self.workers_sock.address)
         next_tick = 0.0
         while not self.stopped:
-            # 1) drain inputs
+            # 1) drain inputs (a bounded batch per socket, so a flood never starves the step)
             self.poller.poll(TICK_S * 1000)
-            busy = True
-            while busy:
-                busy = self._drain(self.gateways, self.gateway_handlers)
-                busy = self._drain(self.workers_sock, self.worker_handlers) or busy
+            self._drain(self.gateways, self.gateway_handlers)
+            self._drain(self.workers_sock, self.worker_handlers)
             for identity in self.workers_sock.disconnected():
                 self._worker_gone_by_identity(identity, "disconnected")
             for identity in self.gateways.disconnected():
@@ -163,11 +161,11 @@ class Scheduler:
                 self._drain_step(now)
         self.close()
 
-    def _drain(self, peer: PeerSocket, handlers) -> bool:
+    def _drain(self, peer: PeerSocket, handlers) -> None:
         for _ in range(DRAIN_BATCH):
             got = peer.recv()
             if got is None:
-                return False
+                return
             identity, frames = got
             try:
                 msg = decode(frames)
@@ -178,8 +176,10 @@ class Scheduler:
             if handler is None:
                 self.log.warning("unexpected message dropped", type=type(msg).__name__)
                 continue
-            handler(identity, msg)
-        return True
+            try:
+                handler(identity, msg)
+            except Exception:  # a bug costs one message, never the process that holds every queued request
+                self.log.exception("handler failed", type=type(msg).__name__)
 
     def _check_parent(self) -> None:
         # Children die with their parent: when the launcher is gone (even by SIGKILL) we are reparented.
@@ -209,7 +209,8 @@ class Scheduler:
             self.stopped = True
 
     def close(self) -> None:
-        self.gateways.close()
+        # The last outputs of a drain may still be queued for the gateways: give them a moment to leave.
+        self.gateways.close(linger_ms=1000)
         self.workers_sock.close()
         if self.store is not None:
             self.store.close(0)
