@@ -116,6 +116,7 @@ class Scheduler:
         self.in_service: Counter[str] = Counter()  # tenant -> requests on workers
         self.warmed: dict[str, None] = {}  # adapters recently sent to the store to warm, oldest first
         self.dirty = False
+        self.next_hint = 0.0
         self.draining_since: float | None = None
         self.stopped = False
         self.parent_pid = os.getppid()
@@ -401,7 +402,11 @@ class Scheduler:
             self._reject(request.origin, request.request_id, 503, "slo_unreachable",
                          f"the request could not get its first token within {cfg.first_token_slo_s:g} s",
                          retry_after=float(self.admission.retry_after(len(self.queue), self.rates.service_rate(now))))
-        self._hint(overloaded)
+        # Hints steer copies that take milliseconds: re-planning them once per tick is soon enough, and keeps
+        # a worker's per-step statuses from each costing a walk of the queue head.
+        if now >= self.next_hint:
+            self.next_hint = now + TICK_S
+            self._hint(overloaded)
 
     def _assign(self, assignments: list[tuple[QueuedRequest, str]], now: float) -> None:
         by_worker: dict[str, list[QueuedRequest]] = defaultdict(list)
