@@ -119,7 +119,7 @@ def decode_step(header_bytes, frames: list, tables: LoraTables, device: torch.de
         specs = header["tensors"]
         loads = header["loads"]
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
-        raise PlanError(f"unreadable step plan header: {e}") from e
+        raise PlanError(f"unreadable step plan header ({type(e).__name__}: {e})") from e
     if len(frames) != len(specs) + len(loads):
         raise PlanError(f"step plan has {len(frames)} frames, expected {len(specs)} tensors + {len(loads)} adapter loads")
     t = {}
