@@ -23,6 +23,8 @@ class EngineConfig:
     max_batched_tokens: int = _doc("tokens per step at most (prefill chunks + decodes)", 2048)
     max_model_len: int = _doc("prompt + output tokens at most; 0 = model's max_position_embeddings", 0)
     seed: int = _doc("seed for dummy weights", 0)
+    cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
+    cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

@@ -21,6 +21,7 @@ from shared.model_config import MODULES, ModelConfig
 from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
+from .cuda_graphs import DecodeGraphs
 from .model import LlamaModel
 from .ops import select_backend
 from .page_table import PageTable
@@ -51,7 +52,9 @@ class Engine:
         self.adapters = ResidentAdapters(self.pool, cfg, config.max_resident_adapters, config.max_lora_rank,
                                          adapter_loader or self._local_adapters.__getitem__,
                                          copy_rows=self.copier.copy if self.copier else None)
-        self.page_table = PageTable(config.max_running_requests, self.max_model_len, self.device)
+        # One spare page-table row (and slot) for the padding rows of graph-replayed decode steps.
+        self.page_table = PageTable(config.max_running_requests + 1, self.max_model_len, self.device)
+        self.graphs = self._decode_graphs() if self.device.type == "cuda" and config.cuda_graphs else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self._by_id: dict[str, Sequence] = {}
@@ -70,6 +73,14 @@ class Engine:
     def with_dummy_weights(cls, cfg: ModelConfig, config: EngineConfig, **kw) -> "Engine":
         device, dtype = torch.device(config.device), DTYPES[config.dtype]
         return cls(cfg, dummy_weights(cfg, dtype, device, config.seed), config, **kw)
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        scratch_slot = self.pool.allocator.allocate(1)[0]
+        scratch_row = self.page_table.assign_row()
+        self.page_table.append(scratch_row, 0, [scratch_slot])
+        max_batch = min(self.config.cuda_graph_max_batch, self.config.max_running_requests)
+        return DecodeGraphs(self.model, self.pool, self.adapters.tables, self.page_table, max_batch,
+                            self.config.max_lora_rank, scratch_slot, scratch_row)
 
     def _slots_from_memory(self) -> int:
         if self.device.type != "cuda":
@@ -122,10 +133,15 @@ class Engine:
         outputs, self._pending = self._pending, []
         if not scheduled:
             return outputs
-        batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)
         if self.copier is not None:
             self.copier.order_before_compute()
-        logits = self.model.forward(batch, self.pool)
+        if self.graphs is not None and self._is_decode(scheduled) and self.graphs.supports(len(scheduled)):
+            samplers = [seq for seq, _ in scheduled]
+            max_rank = max((max(s.adapter.ranks) for s in samplers if s.adapter is not None), default=0)
+            logits = self.graphs.run(samplers, max_rank)
+        else:
+            batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)
+            logits = self.model.forward(batch, self.pool)
         self.step_count += 1
         for seq, n in scheduled:
             seq.num_computed += n
@@ -143,6 +159,10 @@ class Engine:
                     out.finished, out.finish_reason = True, reason
                 outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _is_decode(scheduled: list[tuple[Sequence, int]]) -> bool:
+        return all(n == 1 and seq.remaining == 1 for seq, n in scheduled)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.req.sampling

@@ -1,0 +1,99 @@
+"""Decode step time of the engine on a GPU: base only vs 100 distinct adapters of mixed ranks, eager vs
+CUDA graphs, at several batch sizes. Llama-2-7B shapes with dummy weights (no checkpoint needed).
+
+    python benchmarks/engine_decode.py --out results.json [--batches 1,32,128,256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from services.gpu_worker.adapter_layout import PackedAdapter, layout_offsets
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.requests import EngineRequest
+from services.gpu_worker.sampling import SamplingParams
+from shared.config import EngineConfig
+from shared.model_config import MODULES, ModelConfig
+
+LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+
+
+def synthetic_adapter(name: str, cfg: ModelConfig, rank: int, targets: tuple[str, ...], device) -> PackedAdapter:
+    """Random rows already in pool format, made on the GPU (packing thousands of MB on the host is slow)."""
+    ranks = tuple(rank if m in targets else 0 for m in MODULES)
+    a_off, b_off, n_slots = layout_offsets(ranks, cfg, cfg.kv_dim)
+    rows = torch.randn(cfg.num_layers, 2, n_slots, cfg.kv_dim, device=device, dtype=torch.bfloat16) * 0.01
+    return PackedAdapter(name, rows, ranks, a_off, b_off)
+
+
+def measure(engine: Engine, batch: int, adapters: list[str], prompt_len: int, steps: int) -> dict:
+    rng = random.Random(batch)
+    for i in range(batch):
+        prompt = [rng.randrange(3, engine.cfg.vocab_size) for _ in range(prompt_len)]
+        adapter = adapters[i % len(adapters)] if adapters else None
+        engine.add_request(EngineRequest(f"b{batch}-{i}", prompt, SamplingParams(max_tokens=steps + 20, ignore_eos=True), adapter))
+    while len(engine.running) < batch or any(s.remaining > 1 for s in engine.running):
+        engine.step()  # prefill
+    for _ in range(5):
+        engine.step()  # warm-up (graph capture for this shape happens here)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    for seq in list(engine.running) + list(engine.waiting):
+        engine.abort(seq.request_id)
+    engine.step()
+    return {"batch": batch, "step_ms": step_ms, "tok_per_s": batch / step_ms * 1e3}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", choices=["llama2-7b", "llama3-8b"], default="llama2-7b")
+    p.add_argument("--batches", default="1,32,128,256")
+    p.add_argument("--adapters", type=int, default=100)
+    p.add_argument("--ranks", default="8,16,32,64")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--slots", type=int, default=120_000)
+    p.add_argument("--out", default="engine_decode.json")
+    args = p.parse_args()
+    cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
+    batches = [int(b) for b in args.batches.split(",")]
+    ranks = [int(r) for r in args.ranks.split(",")]
+    results = []
+    for graphs in (True, False):
+        config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=args.slots, max_lora_rank=max(ranks),
+                              max_resident_adapters=args.adapters + 8, max_running_requests=max(batches),
+                              max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(batches))
+        engine = Engine.with_dummy_weights(cfg, config)
+        names = []
+        for i in range(args.adapters):
+            name = f"adapter-{i:03d}"
+            engine._local_adapters[name] = synthetic_adapter(name, cfg, ranks[i % len(ranks)],
+                                                             ("q_proj", "k_proj", "v_proj", "o_proj"), engine.device)
+            names.append(name)
+        for batch in batches:
+            for label, used in (("base", []), ("lora", names)):
+                r = measure(engine, batch, used, args.prompt_len, args.steps)
+                r.update(model=args.model, graphs=graphs, mode=label, adapters=min(len(used), batch))
+                results.append(r)
+                print(json.dumps(r), file=sys.stderr, flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Decode steps replayed from CUDA graphs, one graph per (batch-size bucket, LoRA rank bucket).
+
+A decode step of a 7B model is ~500 small kernel launches; launching them from Python costs more than the
+GPU needs to run them at small batch. Capturing the whole forward once per shape and replaying it makes a
+step one launch. Everything a graph reads lives in static buffers: this step's tokens are copied into them
+(one host-to-device copy), padding rows write to a scratch slot and attend to it alone.
+
+Shapes fixed at capture: the batch size (padded up to a bucket), the shrink width (the rank bucket: every
+adapter in the batch has rank <= it) and the attention split, planned for the longest allowed context.
+"""
+from __future__ import annotations
+
+import torch
+
+from shared.model_config import MODULES
+
+from .model import ForwardBatch, LlamaModel
+from .ops.meta import AttnMeta, LoraBatch, LoraTables
+from .page_table import PageTable
+from .pool import UnifiedPool
+from .requests import Sequence
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+RANK_BUCKETS = (16, 64)
+IDS, POS, OUT_SLOT, CTX, ADAPTER, ROW = range(6)
+
+
+def bucket(value: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= value)
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, pool: UnifiedPool, tables: LoraTables, page_table: PageTable,
+                 max_batch: int, max_rank: int, scratch_slot: int, scratch_row: int):
+        self.model, self.pool, self.tables, self.page_table = model, pool, tables, page_table
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        self.rank_buckets = tuple(r for r in RANK_BUCKETS if r < max_rank) + (max_rank,)
+        device = pool.device
+        size = self.batch_buckets[-1]
+        # Padding rows: token 0 at position 0, written to and attending to the scratch slot only.
+        self.padding = torch.tensor([0, 0, scratch_slot, 1, -1, scratch_row], dtype=torch.int32)
+        self.host = torch.empty(6, size, dtype=torch.int32).pin_memory()
+        self.inputs = self.padding[:, None].repeat(1, size).to(device)
+        self.q_start = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.slot_table = torch.zeros(size, page_table.max_len, dtype=torch.int32, device=device)
+        self.mempool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def supports(self, num_seqs: int) -> bool:
+        return num_seqs <= self.batch_buckets[-1]
+
+    def _batch(self, size: int, rank: int) -> ForwardBatch:
+        x = self.inputs[:, :size]
+        attn = AttnMeta(q_start=self.q_start[: size + 1], ctx_lens=x[CTX], slot_table=self.slot_table[:size],
+                        max_q_len=1, max_ctx_len=self.page_table.max_len, decode_only=True)
+        lora = None
+        if rank:
+            lora = LoraBatch(tables=self.tables, token_adapter=x[ADAPTER], max_rank=(rank,) * len(MODULES))
+        return ForwardBatch(input_ids=x[IDS], positions=x[POS], out_slots=x[OUT_SLOT], attn=attn, lora=lora,
+                            logits_index=self.q_start[:size])
+
+    def _forward(self, batch: ForwardBatch, size: int) -> torch.Tensor:
+        torch.index_select(self.page_table.table, 0, self.inputs[ROW, :size], out=self.slot_table[:size])
+        return self.model.forward(batch, self.pool)
+
+    def _capture(self, size: int, rank: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.inputs[:, :size] = self.padding[:, None].to(self.inputs.device)
+        batch = self._batch(size, rank)
+        side = torch.cuda.Stream(self.pool.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and autotune outside the capture
+            for _ in range(2):
+                self._forward(batch, size)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits = self._forward(batch, size)
+        return graph, logits
+
+    def capture_all(self) -> None:
+        """Capture every shape up front (largest first, so smaller graphs reuse its memory)."""
+        for size in reversed(self.batch_buckets):
+            for rank in (0,) + self.rank_buckets:
+                self._graph(size, rank)
+
+    def _graph(self, size: int, rank: int):
+        key = (size, rank)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(size, rank)
+        return self.graphs[key]
+
+    def run(self, seqs: list[Sequence], max_rank: int) -> torch.Tensor:
+        """Logits `[len(seqs), vocab]` for a decode step (each request has exactly one token to run)."""
+        n = len(seqs)
+        size = bucket(n, self.batch_buckets)
+        rank = bucket(max_rank, self.rank_buckets) if max_rank else 0
+        graph, logits = self._graph(size, rank)
+        rows = [[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs], [s.slots[s.num_computed] for s in seqs],
+                [s.num_computed + 1 for s in seqs],
+                [s.adapter.resident_id if s.adapter is not None else -1 for s in seqs], [s.row for s in seqs]]
+        self.host[:, :n] = torch.tensor(rows, dtype=torch.int32)
+        self.host[:, n:size] = self.padding[:, None]
+        self.page_table.flush()
+        self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
+        graph.replay()
+        return logits[:n]
