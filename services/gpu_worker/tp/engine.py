@@ -53,28 +53,31 @@ class TPResidentAdapters(ResidentAdapters):
     followers copy their shares into the same slots and table row."""
 
     def __init__(self, pool: UnifiedPool, local_cfg: ModelConfig, max_resident: int, max_rank: int,
-                 loader: Callable[[str], PackedAdapter], layout: TPLayout):
+                 loader: Callable[[str], PackedAdapter], layout: TPLayout,
+                 copy_rows: Callable[[torch.Tensor, PackedAdapter], None] | None = None):
         self.layout = layout
         self.full_loader = loader
-        self._shards: list[PackedAdapter] | None = None
+        # Every rank's share of adapters loaded but not yet in the pool (the base class may fetch an adapter
+        # to learn its size well before it pins it).
+        self._shards: dict[str, list[PackedAdapter]] = {}
         self.pending: list[AdapterLoad] = []
-        super().__init__(pool, local_cfg, max_resident, max_rank, self._load_shards)
+        super().__init__(pool, local_cfg, max_resident, max_rank, self._load_shards, copy_rows)
 
     def _load_shards(self, name: str) -> PackedAdapter:
         packed = self.full_loader(name)
         if packed.rows.shape[0] != self.layout.cfg.num_layers:
             raise ValueError(f"adapter {name!r} has {packed.rows.shape[0]} layers, the model {self.layout.cfg.num_layers}")
-        self._shards = shard_packed(packed, self.layout, self.pool.dtype)
-        return self._shards[0]
+        shards = shard_packed(packed, self.layout, self.pool.dtype)
+        self._shards[name] = shards
+        return shards[0]
 
     def acquire(self, name: str) -> Resident | None:
         loads = self.loads
-        try:
-            res = super().acquire(name)
-        finally:
-            shards, self._shards = self._shards, None
-        if self.loads != loads and self.layout.size > 1:
-            self.pending.append(AdapterLoad(res.resident_id, name, list(res.slots), shards))
+        res = super().acquire(name)
+        if self.loads != loads:
+            shards = self._shards.pop(name)
+            if self.layout.size > 1:
+                self.pending.append(AdapterLoad(res.resident_id, name, list(res.slots), shards))
         return res
 
     def take_pending(self) -> list[AdapterLoad]:
@@ -126,13 +129,12 @@ class TPEngine(Engine):
             if self.followers is not None:
                 self.followers.wait_all(READY, start_timeout_s, "ready (weights loaded)")
                 self._join_process_group(device, start_timeout_s, collective_timeout_s)
-            super().__init__(self.layout.local_config(), shard, dataclasses.replace(config, device=str(device)),
-                             backend=backend)
+            super().__init__(self.layout.local_config(), shard, self._rank0_config(config, device), backend=backend)
             comm = TPComm(tp_size, use_list_gather=device.type != "cuda")
             tp_model = TPLlamaModel(self.layout, 0, shard, self.ops, self.max_model_len, comm)
             self.adapters = TPResidentAdapters(self.pool, self.cfg, config.max_resident_adapters,
                                                config.max_lora_rank, adapter_loader or self._registered_adapter,
-                                               self.layout)
+                                               self.layout, copy_rows=self.adapters.copy_rows)
             self.model = LeaderModel(tp_model, self.adapters, self.followers)
             self.comm = comm
             if self.followers is not None:
@@ -143,6 +145,14 @@ class TPEngine(Engine):
             self.shutdown()
             raise
         log.info("tp.engine_ready", tp=tp_size, slot_width=self.layout.slot_width, num_slots=self.pool.num_slots)
+
+    @staticmethod
+    def _rank0_config(config: EngineConfig, device: torch.device) -> EngineConfig:
+        overrides = {"device": str(device)}
+        if "cuda_graphs" in {f.name for f in dataclasses.fields(config)}:
+            # A captured decode graph would replay rank 0's forward without the plan and the collectives.
+            overrides["cuda_graphs"] = False
+        return dataclasses.replace(config, **overrides)
 
     def _start_followers(self, cfg, config, weights, backend, start_timeout_s, collective_timeout_s, log_level,
                          device) -> None:

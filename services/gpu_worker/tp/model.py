@@ -53,31 +53,37 @@ class TPLlamaModel(LlamaModel):
         n = self.layout.size
         # Same width on every rank (from the plan's max ranks), as the all-gather requires.
         local = ceil_div(max_rank, n)
-        y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, shrink, modules, local)
+        hints = lora.kernel_args
+        y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, shrink, modules, local, **hints)
         y = self.comm.all_gather(y, LORA_ALL_GATHER)  # [N, G, T, local]
         # Shrink output k came from rank k % N, local column k // N: interleave the ranks back.
         groups, tokens = y.shape[1], y.shape[2]
         y = y.permute(1, 2, 3, 0).reshape(groups, tokens, local * n)
-        self.ops.lora_expand(y, pool.v(layer), lora.token_adapter, lora.tables, modules, out, out_dims)
+        self.ops.lora_expand(y, pool.v(layer), lora.token_adapter, lora.tables, modules, out, out_dims, **hints)
 
     def _row_lora(self, x: torch.Tensor, out: torch.Tensor, lora: LoraBatch, pool: UnifiedPool, layer: int,
                   modules: tuple[int, ...]) -> None:
         max_rank = lora.group_max_rank(modules)
         if max_rank == 0:
             return
-        y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, lora.tables, modules, max_rank)
+        hints = lora.kernel_args
+        y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, lora.tables, modules, max_rank, **hints)
         self.comm.all_reduce(y, LORA_ALL_REDUCE)  # partial sums over input slices -> x·Aᵀ
         # Only this rank's hidden columns: the base all-reduce gathers the other slices.
         cols = out[:, self.hidden_cols]
         self.ops.lora_expand(y, pool.v(layer), lora.token_adapter, lora.tables, modules, cols,
-                             (self.layout.hidden,))
+                             (self.layout.hidden,), **hints)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor | None:
         """Logits `[N, vocab]` (fp32) on rank 0; None on the other ranks, which hold no lm_head."""
         cfg, ops, lora, comm = self.cfg, self.ops, batch.lora, self.comm
         num_tokens = batch.input_ids.shape[0]
-        shrink = self.shrink_tables(lora.tables) if lora is not None else None
+        shrink = None
+        if lora is not None:
+            if hasattr(ops, "prepare_lora"):
+                ops.prepare_lora(lora)  # per-step launch hints (tokens grouped by adapter), shared by all layers
+            shrink = self.shrink_tables(lora.tables)
         h = self.w.embed[batch.input_ids]
         for i, lw in enumerate(self.w.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
