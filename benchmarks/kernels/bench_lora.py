@@ -197,15 +197,18 @@ def sweep_launch_shapes(model: str, group: str, num_tokens: int, n_adapters: int
         n_seg = groups.seg_adapter.shape[0] if seg else None
         s0 = choose_shrink_config(num_tokens, len(modules), fan_in, pool.width, max_rank, dev, seg, None, n_seg)
         e0 = choose_expand_config(num_tokens, len(modules), out_dims, pool.width, max_rank, dev, seg, None, n_seg)
-        shrink_variants = {"default": s0, "split x2": replace(s0, n_split=s0.n_split * 2),
-                           "split x4": replace(s0, n_split=s0.n_split * 4),
+        shrink_variants = {"default": s0, "block_r 16": replace(s0, block_r=16),
+                           "block_r 64": replace(s0, block_r=64),
+                           "split x2": replace(s0, n_split=s0.n_split * 2),
                            "split /2": replace(s0, n_split=max(1, s0.n_split // 2)),
-                           "block_k 64": replace(s0, block_k=64), "block_k 256": replace(s0, block_k=256),
-                           "block_r 32": replace(s0, block_r=32), "warps 8": replace(s0, num_warps=8)}
-        expand_variants = {"default": e0, "block_n 64": replace(e0, block_n=64),
-                           "block_n 256": replace(e0, block_n=256), "block_r 16": replace(e0, block_r=16),
-                           "block_r 64": replace(e0, block_r=64), "warps 8": replace(e0, num_warps=8),
-                           "stages 3": replace(e0, num_stages=3)}
+                           "block_k 256": replace(s0, block_k=256), "warps 2": replace(s0, num_warps=2),
+                           "stages 3": replace(s0, num_stages=3)}
+        expand_variants = {"default": e0, "tiles x2": replace(e0, tiles_per_prog=e0.tiles_per_prog * 2),
+                           "tiles /2": replace(e0, tiles_per_prog=max(1, e0.tiles_per_prog // 2)),
+                           "tiles 1": replace(e0, tiles_per_prog=1),
+                           "block_r 16": replace(e0, block_r=16), "block_r 32": replace(e0, block_r=32),
+                           "block_n 64": replace(e0, block_n=64, tiles_per_prog=e0.tiles_per_prog * 2),
+                           "warps 2": replace(e0, num_warps=2), "stages 3": replace(e0, num_stages=3)}
         y = kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, max_rank, **kwargs)
         for name, c in shrink_variants.items():
             def run(c=c):

@@ -64,9 +64,9 @@ def main() -> None:
     results: dict = {"env": environment(), "errors": {}}
 
     def attention_variants(c):
-        return {"block_n 32": replace(c, block_n=32), "block_n 128": replace(c, block_n=128),
-                "stages 2": replace(c, num_stages=2), "stages 4": replace(c, num_stages=4),
-                "split x2": replace(c, n_split=c.n_split * 2), "warps 8": replace(c, num_warps=8)}
+        return {"block_n 64": replace(c, block_n=64), "stages 2": replace(c, num_stages=2),
+                "split x2": replace(c, n_split=c.n_split * 2), "split /2": replace(c, n_split=max(1, c.n_split // 2)),
+                "warps 8": replace(c, num_warps=8)}
 
     sections = {
         "ceilings": lambda: {"copy_gbs": ceilings.copy_bandwidth_gbs(), "matmul_tflops": ceilings.matmul_tflops()},
@@ -77,12 +77,11 @@ def main() -> None:
         "lora": lambda: (bench_lora.bench_group(big, "qkv", batches, n_adapters, layers, dtype=dtype, device=device)
                          + bench_lora.bench_group(big, "gate_up", batches, n_adapters, layers, dtype=dtype,
                                                   device=device)),
-        "lora_sweep": lambda: [r for t in ([5] if smoke else [64, 256])
-                               for r in bench_lora.sweep_launch_shapes(big, "qkv", t, n_adapters, layers,
+        "lora_sweep": lambda: [r for m, t in ([(big, 5)] if smoke else [(big, 64), (big, 256), (gqa, 64)])
+                               for r in bench_lora.sweep_launch_shapes(m, "qkv", t, n_adapters, layers,
                                                                        dtype=dtype, device=device)],
         "attention": lambda: [r for m in (big, gqa)
-                              for r in bench_attention.bench_decode(m, contexts, dtype,
-                                                                    attention_variants if m == big else None,
+                              for r in bench_attention.bench_decode(m, contexts, dtype, attention_variants,
                                                                     device=device,
                                                                     min_bytes=1 if smoke else 256 << 20)],
         "prefill": lambda: [bench_attention.bench_prefill(m, 2 if smoke else 4, 20 if smoke else 2048, dtype, device)

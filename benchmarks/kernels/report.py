@@ -49,9 +49,9 @@ def write_tables(res: dict) -> str:
         parts.append(_table(["group", "batch", "per-token shrink µs", "per-token expand µs", "grouped shrink µs",
                              "grouped expand µs"], rows))
     if "lora_sweep" in res:
-        parts.append(_table(["batch", "form", "op", "variant", "µs", "GB/s", "config"],
-                            [[r["batch"], r["form"], r["op"], r["variant"], _f(r["us"]), _f(r["gbs"], "{:.0f}"),
-                              r["config"]] for r in res["lora_sweep"]]))
+        parts.append(_table(["model", "batch", "form", "op", "variant", "µs", "GB/s", "config"],
+                            [[r["model"], r["batch"], r["form"], r["op"], r["variant"], _f(r["us"]),
+                              _f(r["gbs"], "{:.0f}"), r["config"]] for r in res["lora_sweep"]]))
     if "attention" in res:
         rows = []
         for r in res["attention"]:

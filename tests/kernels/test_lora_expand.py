@@ -44,8 +44,9 @@ def test_expand_matches_reference(model_cfg, dtype, form, group):
 
 @pytest.mark.parametrize("form", FORMS)
 def test_expand_narrow_tiles_and_rank_blocks(form):
-    # 16-column tiles and 16-row rank blocks: several tiles per module and a rank loop for rank 64.
-    config = ExpandConfig(block_r=16, block_n=16, chunk_tokens=16 if form == "segments" else 0)
+    # 16-column tiles and 16-row rank blocks: several tiles per module, a rank loop for rank 64, and column
+    # groups of three tiles (the last group of a module partly past its end).
+    config = ExpandConfig(block_r=16, block_n=16, tiles_per_prog=3, chunk_tokens=16 if form == "segments" else 0)
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=11, config=config)
 
 

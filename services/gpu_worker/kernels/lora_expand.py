@@ -23,16 +23,16 @@ from .lora_rows import check_pool_buffer, check_segments, check_tables, load_ada
 def _expand_token_kernel(
     y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, token_adapter_ptr,
     slots_ptr, stride_slots, ranks_ptr, b_off_ptr,
-    out_ptr, stride_ot, W, y_rank,
+    out_ptr, stride_ot, W, y_rank, tiles_per_prog,
     M0, M1, M2, D0, D1, D2, C0, C1, C2,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
-    n0 = tl.program_id(2) * BLOCK_N
     out_dim = module_slot(g, D0, D1, D2)
+    n_lo = tl.program_id(2) * tiles_per_prog * BLOCK_N
     a = tl.load(token_adapter_ptr + t)
-    if (a < 0) | (n0 >= out_dim):
+    if (a < 0) | (n_lo >= out_dim):
         return
     m = module_slot(g, M0, M1, M2)
     rank = tl.minimum(tl.load(ranks_ptr + a * 7 + m), y_rank)
@@ -42,39 +42,45 @@ def _expand_token_kernel(
     list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
     n_chunks = (out_dim + W - 1) // W
     y_row = y_ptr + g.to(tl.int64) * stride_yg + t.to(tl.int64) * stride_yt
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        row_mask = rows < rank
-        yv = tl.load(y_row + rows, mask=row_mask, other=0.0).to(tl.float32)
-        w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W, n_chunks,
-                              BLOCK_N, ALIGNED, EVEN)
-        acc += tl.sum(w.to(tl.float32) * yv[:, None], axis=0)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    o_ptr = out_ptr + t.to(tl.int64) * stride_ot + module_slot(g, C0, C1, C2) + cols
-    if EVEN:
-        o = tl.load(o_ptr)
-        tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty))
-    else:
-        o = tl.load(o_ptr, mask=cols < out_dim, other=0.0)
-        tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=cols < out_dim)
+    o_row = out_ptr + t.to(tl.int64) * stride_ot + module_slot(g, C0, C1, C2)
+    n_hi = tl.minimum(out_dim, n_lo + tiles_per_prog * BLOCK_N)
+    # One program walks several column tiles: the dependent loads above (adapter, rank, offset) are paid
+    # once, and each tile's output is loaded before its weights so both are in flight together.
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        if EVEN:
+            o = tl.load(o_row + cols)
+        else:
+            o = tl.load(o_row + cols, mask=cols < out_dim, other=0.0)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            row_mask = rows < rank
+            yv = tl.load(y_row + rows, mask=row_mask, other=0.0).to(tl.float32)
+            w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W, n_chunks,
+                                  BLOCK_N, ALIGNED, EVEN)
+            acc += tl.sum(w.to(tl.float32) * yv[:, None], axis=0)
+        if EVEN:
+            tl.store(o_row + cols, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(o_row + cols, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=cols < out_dim)
 
 
 @triton.jit
 def _expand_segment_kernel(
     y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
     slots_ptr, stride_slots, ranks_ptr, b_off_ptr,
-    out_ptr, stride_ot, W, y_rank, chunk_tokens, n_n_tiles,
+    out_ptr, stride_ot, W, y_rank, chunk_tokens, n_col_groups, tiles_per_prog,
     M0, M1, M2, D0, D1, D2, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
 ):
     s = tl.program_id(0)
-    g = tl.program_id(2) // n_n_tiles
-    n0 = (tl.program_id(2) % n_n_tiles) * BLOCK_N
+    g = tl.program_id(2) // n_col_groups
     out_dim = module_slot(g, D0, D1, D2)
+    n_lo = (tl.program_id(2) % n_col_groups) * tiles_per_prog * BLOCK_N
     a = tl.load(seg_adapter_ptr + s)
-    if (a < 0) | (n0 >= out_dim):
+    if (a < 0) | (n_lo >= out_dim):
         return
     m = module_slot(g, M0, M1, M2)
     rank = tl.minimum(tl.load(ranks_ptr + a * 7 + m), y_rank)
@@ -87,8 +93,8 @@ def _expand_segment_kernel(
     list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
     n_chunks = (out_dim + W - 1) // W
     y_base = y_ptr + g.to(tl.int64) * stride_yg
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_base = module_slot(g, C0, C1, C2) + cols
+    col0 = module_slot(g, C0, C1, C2)
+    n_hi = tl.minimum(out_dim, n_lo + tiles_per_prog * BLOCK_N)
     for p0 in range(p_lo, p_hi, BLOCK_M):
         pos = p0 + tl.arange(0, BLOCK_M)
         p_mask = pos < p_hi
@@ -96,28 +102,33 @@ def _expand_segment_kernel(
             tok = tl.load(order_ptr + pos, mask=p_mask, other=0)
         else:
             tok = pos
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            row_mask = rows < rank
-            yt = tl.load(y_base + tok.to(tl.int64)[:, None] * stride_yt + rows[None, :],
-                         mask=p_mask[:, None] & row_mask[None, :], other=0.0)
-            w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W, n_chunks,
-                                  BLOCK_N, ALIGNED, EVEN)
-            acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
-        o_ptr = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + col_base[None, :]
-        if EVEN:
-            mask = p_mask[:, None]
-        else:
-            mask = p_mask[:, None] & (cols < out_dim)[None, :]
-        o = tl.load(o_ptr, mask=mask, other=0.0)
-        tl.store(o_ptr, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
+        o_rows = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + col0
+        y_rows = y_base + tok.to(tl.int64)[:, None] * stride_yt
+        # Several column tiles per program (see the per-token kernel); each Bᵀ tile is read once for
+        # all of the segment's tokens in this token tile.
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            if EVEN:
+                mask = p_mask[:, None]
+            else:
+                mask = p_mask[:, None] & (cols < out_dim)[None, :]
+            o = tl.load(o_rows + cols[None, :], mask=mask, other=0.0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                rows = r0 + tl.arange(0, BLOCK_R)
+                row_mask = rows < rank
+                yt = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & row_mask[None, :], other=0.0)
+                w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W,
+                                      n_chunks, BLOCK_N, ALIGNED, EVEN)
+                acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
+            tl.store(o_rows + cols[None, :], (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
 class ExpandConfig:
     block_r: int
     block_n: int
+    tiles_per_prog: int = 1  # column tiles one program walks
     block_m: int = 16  # segment form only
     chunk_tokens: int = 0  # segment form: tokens per program (0 = whole segment)
     num_warps: int = 4
@@ -127,23 +138,27 @@ class ExpandConfig:
 def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, ...], width: int, max_rank: int,
                          device: torch.device, segmented: bool, max_seg_len: int | None = None,
                          num_segments: int | None = None) -> ExpandConfig:
-    """Output tiles wide enough for long contiguous row reads, narrow enough to give every multiprocessor
-    work when few tokens are in the step."""
-    target = 4 * num_sms(device)
-    widest = max(out_dims)
+    """128-column tiles (256-byte row reads); as many column tiles per program as keeps about eight
+    programs per multiprocessor, so the per-program setup is paid once over several tiles."""
+    target = 8 * num_sms(device)
+
+    def n_tiles_of(bn: int) -> int:
+        return cdiv(max(out_dims), bn)
+
     units = num_segments if segmented and num_segments is not None else num_tokens
     block_n = pow2_divisor(width, 128)
     if block_n < 16:
         block_n = 64
-    while block_n > 32 and units * num_groups * cdiv(widest, block_n) < target:
+    while block_n > 32 and units * num_groups * n_tiles_of(block_n) < target:
         block_n //= 2
+    tiles_per_prog = max(1, min(n_tiles_of(block_n), units * num_groups * n_tiles_of(block_n) // target))
     if segmented:
-        block_r = min(max(16, next_pow2(max_rank)), 32)
         block_m, chunk = 16, 0
         if max_seg_len is not None and max_seg_len > 64:
             block_m, chunk = 64, 64
-        return ExpandConfig(block_r=block_r, block_n=block_n, block_m=block_m, chunk_tokens=chunk)
-    return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
+        return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, tiles_per_prog=tiles_per_prog,
+                            block_m=block_m, chunk_tokens=chunk)
+    return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n, tiles_per_prog=tiles_per_prog)
 
 
 def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
@@ -181,16 +196,16 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
                                          max_seg_len, num_segments)
     aligned = width % cfg.block_n == 0 and cfg.block_n >= 16
     even = all(d % cfg.block_n == 0 for d in out_dims)
-    n_tiles = cdiv(max(out_dims), cfg.block_n)
+    n_col_groups = cdiv(cdiv(max(out_dims), cfg.block_n), cfg.tiles_per_prog)
     m0, m1, m2 = pad3(modules)
     d0, d1, d2 = pad3(out_dims)
     col_start = [sum(out_dims[:g]) for g in range(num_groups)]
     c0, c1, c2 = pad3(tuple(col_start))
     if not segmented:
-        _expand_token_kernel[(num_tokens, num_groups, n_tiles)](
+        _expand_token_kernel[(num_tokens, num_groups, n_col_groups)](
             y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), token_adapter,
             tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
-            out, out.stride(0), width, y_rank,
+            out, out.stride(0), width, y_rank, cfg.tiles_per_prog,
             m0, m1, m2, d0, d1, d2, c0, c1, c2,
             BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -199,11 +214,11 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
     n_seq_chunks = max(1, cdiv(longest, chunk))
     require(n_seq_chunks <= 65535, f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
-    _expand_segment_kernel[(num_segments, n_seq_chunks, num_groups * n_tiles)](
+    _expand_segment_kernel[(num_segments, n_seq_chunks, num_groups * n_col_groups)](
         y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), seg_start, seg_adapter,
         token_order if token_order is not None else seg_start,
         tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
-        out, out.stride(0), width, y_rank, chunk, n_tiles,
+        out, out.stride(0), width, y_rank, chunk, n_col_groups, cfg.tiles_per_prog,
         m0, m1, m2, d0, d1, d2, c0, c1, c2,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
         HAS_ORDER=token_order is not None, PRECISION="ieee" if y.dtype == torch.float32 else "tf32",

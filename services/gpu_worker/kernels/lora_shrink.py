@@ -65,15 +65,34 @@ def _shrink_token_kernel(
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         k_lo = split * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, fan_in)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            if EVEN:
-                xv = tl.load(x_row + ks)
-            else:
-                xv = tl.load(x_row + ks, mask=ks < k_hi, other=0.0)
-            w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, k0, k_hi, W, n_chunks,
-                                  BLOCK_K, ALIGNED, EVEN)
-            acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+        if ALIGNED:
+            # Slot of each row once per slot-wide chunk, not per tile: the inner loop's loads then depend
+            # on no other load.
+            cols = tl.arange(0, BLOCK_K)
+            entry = list_ptr + first + rows * n_chunks
+            for c in range(k_lo // W, (k_hi - 1) // W + 1):
+                slot = tl.load(entry + c, mask=row_mask, other=0)
+                row_ptr = buf_ptr + slot.to(tl.int64)[:, None] * stride_buf + cols[None, :]
+                for k0 in range(tl.maximum(k_lo, c * W), tl.minimum(k_hi, c * W + W), BLOCK_K):
+                    ks = k0 + cols
+                    off = tl.multiple_of(k0 - c * W, BLOCK_K)
+                    if EVEN:
+                        xv = tl.load(x_row + ks)
+                        w = tl.load(row_ptr + off, mask=row_mask[:, None], other=0.0)
+                    else:
+                        xv = tl.load(x_row + ks, mask=ks < k_hi, other=0.0)
+                        w = tl.load(row_ptr + off, mask=row_mask[:, None] & (ks < k_hi)[None, :], other=0.0)
+                    acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+        else:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                if EVEN:
+                    xv = tl.load(x_row + ks)
+                else:
+                    xv = tl.load(x_row + ks, mask=ks < k_hi, other=0.0)
+                w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, k0, k_hi, W, n_chunks,
+                                      BLOCK_K, ALIGNED, EVEN)
+                acc += tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
     _store_shrink(acc, out_ptr, g, t, rows, rank, max_rank, n_split, split, NUM_GROUPS, num_tokens, rows_p,
                   stride_og, stride_ot, SPLIT)
 
@@ -118,15 +137,34 @@ def _shrink_segment_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         if r_tile * BLOCK_R < rank:
             x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                if EVEN:
-                    xt = tl.load(x_rows + ks[None, :], mask=p_mask[:, None], other=0.0)
-                else:
-                    xt = tl.load(x_rows + ks[None, :], mask=p_mask[:, None] & (ks < k_hi)[None, :], other=0.0)
-                w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, k0, k_hi, W, n_chunks,
-                                      BLOCK_K, ALIGNED, EVEN)
-                acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc, input_precision=PRECISION)
+            if ALIGNED:
+                # As in the per-token kernel: row slots once per chunk, independent loads inside.
+                cols = tl.arange(0, BLOCK_K)
+                entry = list_ptr + first + rows * n_chunks
+                for c in range(k_lo // W, (k_hi - 1) // W + 1):
+                    slot = tl.load(entry + c, mask=row_mask, other=0)
+                    row_ptr = buf_ptr + slot.to(tl.int64)[:, None] * stride_buf + cols[None, :]
+                    for k0 in range(tl.maximum(k_lo, c * W), tl.minimum(k_hi, c * W + W), BLOCK_K):
+                        ks = k0 + cols
+                        off = tl.multiple_of(k0 - c * W, BLOCK_K)
+                        if EVEN:
+                            xt = tl.load(x_rows + ks[None, :], mask=p_mask[:, None], other=0.0)
+                            w = tl.load(row_ptr + off, mask=row_mask[:, None], other=0.0)
+                        else:
+                            k_mask = (ks < k_hi)[None, :]
+                            xt = tl.load(x_rows + ks[None, :], mask=p_mask[:, None] & k_mask, other=0.0)
+                            w = tl.load(row_ptr + off, mask=row_mask[:, None] & k_mask, other=0.0)
+                        acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc, input_precision=PRECISION)
+            else:
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    if EVEN:
+                        xt = tl.load(x_rows + ks[None, :], mask=p_mask[:, None], other=0.0)
+                    else:
+                        xt = tl.load(x_rows + ks[None, :], mask=p_mask[:, None] & (ks < k_hi)[None, :], other=0.0)
+                    w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, k0, k_hi, W,
+                                          n_chunks, BLOCK_K, ALIGNED, EVEN)
+                    acc = tl.dot(xt, tl.trans(w.to(xt.dtype)), acc, input_precision=PRECISION)
         if SPLIT:
             base = ((split * NUM_GROUPS + g) * num_tokens + tok).to(tl.int64) * rows_p
             tl.store(out_ptr + base[:, None] + rows[None, :], acc, mask=p_mask[:, None] & row_mask[None, :])
@@ -182,8 +220,9 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     block_k = pow2_divisor(width, 128)
     if block_k < 16:
         block_k = 32  # rows straddle slots inside a tile: the unaligned path
-    cap_r = 64 if not segmented else 128
-    block_r = min(max(16, next_pow2(max_rank)), cap_r)
+    # 32-row rank tiles: a rank-64 adapter is two programs' work and a rank-8 one a quarter of one, which
+    # balances mixed ranks better than one program per adapter (measured on the H200, docs/benchmarks.md).
+    block_r = min(max(16, next_pow2(max_rank)), 32)
     r_tiles = cdiv(max(max_rank, 1), block_r)
     target = 8 * num_sms(device)
     block_m, chunk = 16, 0
