@@ -24,8 +24,7 @@ import zmq
 from shared.log import configure_logging, get_logger
 
 from .launcher_children import Child, ChildFailed, stop_children
-from .launcher_commands import (Topology, gateway_command, model_dir_of, scheduler_command, store_command,
-                                worker_command)
+from .launcher_commands import Topology, model_dir_of, service_commands
 from .launcher_config import LauncherConfig, parse_args
 from .launcher_redis import redis_command, redis_ping
 
@@ -146,16 +145,15 @@ class Launcher:
             redis_dir.mkdir(exist_ok=True)
             self.children.append(Child("redis", redis_command(redis_dir, redis_port),
                                        ready=lambda c: redis_ping(redis_url), env=env))
-        self.children.append(Child("adapter_store", [py, *store_command(cfg, topo, dtype)],
-                                   ready=lambda c: zmq_ping(topo.store_addr), env=env, after_exit=arena_unlink))
-        self.children.append(Child("scheduler", [py, *scheduler_command(cfg, topo)],
-                                   ready=lambda c: zmq_ping(topo.scheduler_worker_addr), env=env))
-        for i in range(cfg.workers):
-            self.children.append(Child(
-                f"worker-{i}", [py, *worker_command(cfg, topo, i, device, dtype, num_slots)],
-                ready=worker_ready, env=env, before_start=clear_worker_ready, alive_check=self.worker_alive))
-        self.children.append(Child("gateway", [py, *gateway_command(cfg, topo)],
-                                   ready=lambda c: http_ok(f"{self.base_url}/health"), env=env))
+        commands = service_commands(cfg, topo, device, dtype, num_slots)
+        hooks = {
+            "adapter_store": dict(ready=lambda c: zmq_ping(topo.store_addr), after_exit=arena_unlink),
+            "scheduler": dict(ready=lambda c: zmq_ping(topo.scheduler_worker_addr)),
+            "gateway": dict(ready=lambda c: http_ok(f"{self.base_url}/health")),
+        }
+        worker_hooks = dict(ready=worker_ready, before_start=clear_worker_ready, alive_check=self.worker_alive)
+        for name, argv in commands.items():
+            self.children.append(Child(name, [py, *argv], env=env, **hooks.get(name, worker_hooks)))
 
     @property
     def base_url(self) -> str:

@@ -94,3 +94,12 @@ def worker_device(device: str, index: int, tp: int) -> str:
         base = int(device.partition(":")[2] or 0)
         return f"cuda:{base + index * tp}"
     return device
+
+
+def service_commands(config: LauncherConfig, t: Topology, device: str, dtype: str, num_slots: int) -> dict[str, list[str]]:
+    """Every Python service's arguments after the interpreter, by child name, in start order."""
+    commands = {"adapter_store": store_command(config, t, dtype), "scheduler": scheduler_command(config, t)}
+    for i in range(config.workers):
+        commands[f"worker-{i}"] = worker_command(config, t, i, device, dtype, num_slots)
+    commands["gateway"] = gateway_command(config, t)
+    return commands

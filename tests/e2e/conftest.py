@@ -119,7 +119,7 @@ class Stack:
                     out[args[args.index("--worker-id") + 1]] = pid
                 elif module.startswith("services."):
                     out[module.removeprefix("services.")] = pid
-            elif args and args[0].endswith("redis-server"):
+            elif args and "redis-server" in args[0]:
                 out["redis"] = pid
         return out
 
@@ -151,13 +151,16 @@ class Stack:
 
 
 def metric(text: str, name: str, **labels) -> float | None:
-    """Value of one sample in Prometheus text output, or None when absent."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    """Value of the sample `name{labels}` in Prometheus text output (label order does not matter), or None."""
     for line in text.splitlines():
-        if line.startswith("#"):
+        if not line.startswith(name):
             continue
         head, _, value = line.rpartition(" ")
-        if head == name + (f"{{{want}}}" if want else "") or (not want and head == name):
+        sample, _, label_text = head.partition("{")
+        if sample != name:
+            continue
+        found = dict(item.split("=", 1) for item in label_text.rstrip("}").split(",") if item)
+        if {k: v.strip('"') for k, v in found.items()} == {k: str(v) for k, v in labels.items()}:
             return float(value)
     return None
 

@@ -1,0 +1,113 @@
+"""The stack's lifecycle: SIGTERM drains (in-flight requests finish, new ones get 503) and every child exits;
+a new stack on the same data dir has every registration and serves the same tokens; a launcher killed with
+SIGKILL leaves no process and no shared-memory arena behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from shared.make_adapters import make_adapters
+from tests.e2e.conftest import Stack, descendants, upload, wait_gone
+
+PROMPT = [1, 30, 31, 32, 33]
+
+
+def outputs(stack, models: list[str]) -> dict[str, str]:
+    with stack.client() as c:
+        out = {}
+        for m in models:
+            r = c.post("/v1/completions", json={"model": m, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            out[m] = r.json()["choices"][0]["text"]
+        return out
+
+
+def registrations(stack) -> dict[str, tuple]:
+    with stack.client() as c:
+        return {a["name"]: (a["id"], a["sha256"], a["rank"], tuple(a["target_modules"]))
+                for a in c.get("/v1/adapters").json()["data"]}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("restart") / "data"
+
+
+def test_sigterm_drains_then_restart_keeps_registrations_and_tokens(data_dir, tmp_path):
+    first = Stack(data_dir, "--drain-timeout-s", "20").start()
+    try:
+        extra = make_adapters(tmp_path, data_dir / "model", 2, ranks=[6, 20], seed=1234, prefix="kept")
+        with first.client() as c:
+            for folder in extra:
+                assert upload(c, folder, folder.name).status_code == 201
+        before = registrations(first)
+        assert {"demo-000", "demo-003", "kept-000", "kept-001"} <= set(before)
+        models = ["model", "demo-000", "demo-003", "kept-000", "kept-001"]
+        tokens = outputs(first, models)
+
+        # A request in flight when SIGTERM arrives finishes; one that arrives during the drain gets 503.
+        children = descendants(first.proc.pid)
+        assert len(children) >= 5
+        events, streaming = [], threading.Event()
+
+        def stream():
+            with first.client(timeout=60) as c:
+                body = {"model": "kept-001", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                        "stream": True}
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            events.append(json.loads(line[6:]))
+                            streaming.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert streaming.wait(60)
+        first.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        refused = None
+        while refused is None and time.monotonic() < deadline:
+            with first.client(timeout=10) as c:
+                r = c.post("/v1/completions", json={"model": "model", "prompt": PROMPT, "max_tokens": 2})
+            if r.status_code == 503:
+                refused = r
+            time.sleep(0.05)
+        assert refused is not None and refused.json()["error"]["message"]
+        t.join(60)
+        assert [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]] == ["length"]
+        assert first.proc.wait(60) == 0
+        assert wait_gone(children, 10) == [], "children outlived the launcher's SIGTERM"
+    finally:
+        first.stop()
+        first.kill_everything()
+
+    second = Stack(data_dir).start()
+    try:
+        assert registrations(second) == before
+        assert outputs(second, models) == tokens
+    finally:
+        second.stop()
+        second.kill_everything()
+
+
+def test_sigkill_of_the_launcher_leaves_no_orphans(tmp_path):
+    stack = Stack(tmp_path / "data", "--demo-adapters", "1").start()
+    try:
+        pids = stack.service_pids()
+        assert {"redis", "adapter_store", "scheduler", "worker-0", "gateway"} <= set(pids)
+        everything = descendants(stack.proc.pid)
+        arena = f"/dev/shm/loraplex-arena-{pids['adapter_store']}"
+        assert os.path.exists(arena)
+        stack.proc.send_signal(signal.SIGKILL)
+        stack.proc.wait(10)
+        assert wait_gone(everything, 30) == [], "processes outlived a SIGKILLed launcher"
+        assert not os.path.exists(arena), "the store's arena segment was left in /dev/shm"
+    finally:
+        stack.stop()
+        stack.kill_everything()
