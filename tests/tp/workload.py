@@ -23,7 +23,7 @@ def make_workload(vocab_size: int, adapters: list[str | None], count: int = 12, 
     return out
 
 
-def run(engine, adapters: dict, workload: list[tuple]) -> tuple[dict, dict]:
+def run(engine, adapters: dict, workload: list[tuple], max_tokens: int = MAX_TOKENS) -> tuple[dict, dict]:
     for name, w in adapters.items():
         engine.register_adapter(name, w)
     tokens: dict[str, list[int]] = {}
@@ -32,7 +32,7 @@ def run(engine, adapters: dict, workload: list[tuple]) -> tuple[dict, dict]:
     for step in range(1000):
         for rid, prompt, adapter, join in workload:
             if join == step:
-                engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                                  adapter, return_logits=True))
         for out in engine.step():
             assert out.error is None, out.error
@@ -43,13 +43,14 @@ def run(engine, adapters: dict, workload: list[tuple]) -> tuple[dict, dict]:
     return tokens, logits
 
 
-def assert_same_output(expected: tuple[dict, dict], got: tuple[dict, dict], tol: float = 1e-4) -> None:
+def assert_same_output(expected: tuple[dict, dict], got: tuple[dict, dict], tol: float = 1e-4,
+                       max_tokens: int = MAX_TOKENS) -> None:
     ref_tokens, ref_logits = expected
     tokens, logits = got
     assert set(tokens) == set(ref_tokens)
     for rid in ref_tokens:
         assert tokens[rid] == ref_tokens[rid], f"{rid}: TP {tokens[rid]} != single-GPU {ref_tokens[rid]}"
-        assert len(logits[rid]) == len(ref_logits[rid]) == MAX_TOKENS
+        assert len(logits[rid]) == len(ref_logits[rid]) == max_tokens
         for step, (ours, ref) in enumerate(zip(logits[rid], ref_logits[rid])):
             diff = (ours - ref).abs().max().item()
             assert diff < tol, f"{rid} step {step}: logits differ by {diff}"
