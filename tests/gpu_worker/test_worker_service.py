@@ -46,44 +46,61 @@ def stack(tmp_path_factory, tiny_model_dir, tiny_adapter_dirs):
     client.close()
 
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    router.bind(addr)
-    ready_file = root / "worker.ready"
-    log = open(root / "worker.log", "wb")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "services.gpu_worker", "--model", str(tiny_model_dir), "--worker-id", "w0",
-         "--scheduler-addr", addr, "--store-addr", store.address, "--num-slots", str(NUM_SLOTS),
-         "--ready-file", str(ready_file), "--heartbeat-s", "0.1"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
-    peer = SchedulerSide(router, worker, root / "worker.log")
-    peer.store_address = store.address
+    peer = start_worker(ctx, root, tiny_model_dir, store.address)
     try:
-        peer.status(lambda s: s.ready, timeout=60)
         yield peer, ids
     finally:
-        worker.terminate()
-        try:
-            worker.wait(15)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-        log.close()
-        router.close(0)
+        peer.close()
         ctx.term()
         store.stop()
         redis_server.stop()
 
 
+def start_worker(ctx, root, model_dir, store_address: str, *extra: str, worker_id: str = "w0") -> "SchedulerSide":
+    """A worker process connected to a ROUTER socket bound here, in place of the scheduler's; returns once the
+    worker reports ready."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    router.bind(addr)
+    log_path = root / f"{worker_id}.log"
+    log = open(log_path, "wb")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "services.gpu_worker", "--model", str(model_dir), "--worker-id", worker_id,
+         "--scheduler-addr", addr, "--store-addr", store_address, "--num-slots", str(NUM_SLOTS),
+         "--ready-file", str(root / f"{worker_id}.ready"), "--heartbeat-s", "0.1", *extra],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    peer = SchedulerSide(router, worker, log_path, log, worker_id)
+    peer.store_address = store_address
+    try:
+        peer.status(lambda s: s.ready, timeout=120)
+    except BaseException:
+        peer.close()
+        raise
+    return peer
+
+
 class SchedulerSide:
     """The scheduler's end of the worker socket, with a backlog so tests can wait for one kind of message."""
 
-    def __init__(self, router, proc, log_path):
+    def __init__(self, router, proc, log_path, log_file, worker_id: str):
         self.router = router
         self.proc = proc
         self.log_path = log_path
+        self.log_file = log_file
+        self.worker_id = worker_id
         self.identity: bytes | None = None
         self.backlog: list = []
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.log_file.close()
+        self.router.close(0)
 
     def _recv(self, timeout: float):
         deadline = time.monotonic() + timeout
@@ -126,7 +143,7 @@ class SchedulerSide:
             msg = self._recv(max(0.01, deadline - time.monotonic()))
             if not isinstance(msg, TokenBatch):
                 continue
-            assert msg.worker_id == "w0"
+            assert msg.worker_id == self.worker_id
             for out in msg.outputs:
                 r = results[out.request_id]
                 assert r["finish"] is None, f"{out.request_id} got output after it finished"
@@ -218,3 +235,22 @@ def test_prefetch_hint_makes_an_adapter_resident_before_any_request(stack, tiny_
     peer.send(PrefetchHint(adapters=[card.id]))
     status = peer.status(lambda s: card.id in s.resident_adapters, timeout=20)
     assert status.running == 0
+
+
+def test_tensor_parallel_worker_serves_the_same_tokens(stack, tiny_model_dir, tiny_adapter_dirs, tmp_path):
+    """`--tp 2` runs the tensor-parallel engine (rank 0 in the worker, one follower process) behind the same
+    loop; it reads the same single-GPU rows from the arena and must produce the same tokens."""
+    peer, ids = stack
+    names = [f.name for f in tiny_adapter_dirs]
+    cases = [(f"tp-{i}", [1 + i, 23, 50 + i, 8], (ids[names[i % 4]] if i % 3 else None), 5) for i in range(6)]
+    ctx = zmq.Context()
+    tp_peer = start_worker(ctx, tmp_path, tiny_model_dir, peer.store_address, "--tp", "2", worker_id="tp0")
+    try:
+        results = tp_peer.run([submit(rid, p, a, n) for rid, p, a, n in cases])
+    finally:
+        tp_peer.close()
+        ctx.term()
+    expected = reference_tokens(tiny_model_dir, tiny_adapter_dirs, ids, cases)
+    for rid, *_ in cases:
+        assert results[rid]["finish"] == "length", results[rid]
+        assert results[rid]["tokens"] == expected[rid], rid
