@@ -12,7 +12,7 @@ import time
 import pytest
 
 from shared.make_adapters import make_adapters
-from tests.e2e.conftest import Stack, descendants, upload, wait_gone
+from tests.e2e.conftest import Stack, descendants, metric, upload, wait_gone
 
 PROMPT = [1, 30, 31, 32, 33]
 
@@ -96,11 +96,21 @@ def test_sigterm_drains_then_restart_keeps_registrations_and_tokens(data_dir, tm
         second.kill_everything()
 
 
-def test_sigkill_of_the_launcher_leaves_no_orphans(tmp_path):
-    stack = Stack(tmp_path / "data", "--demo-adapters", "1").start()
+def test_two_workers_serve_and_a_sigkilled_launcher_leaves_no_orphans(tmp_path):
+    stack = Stack(tmp_path / "data", "--demo-adapters", "1", "--workers", "2").start()
     try:
         pids = stack.service_pids()
-        assert {"redis", "adapter_store", "scheduler", "worker-0", "gateway"} <= set(pids)
+        assert {"redis", "adapter_store", "scheduler", "worker-0", "worker-1", "gateway"} <= set(pids)
+        text = stack.metrics()
+        assert metric(text, "loraplex_workers_ready") == 2
+        assert metric(text, "loraplex_pool_slots", worker="worker-1", kind="total") == 4096
+        # Concurrent requests spread over both workers: each model gives the same text wherever it runs.
+        from concurrent.futures import ThreadPoolExecutor
+
+        models = ["model", "demo-000"] * 4
+        with ThreadPoolExecutor(len(models)) as pool:
+            texts = list(pool.map(lambda m: outputs(stack, [m])[m], models))
+        assert len(set(texts[0::2])) == 1 and len(set(texts[1::2])) == 1 and texts[0] != texts[1]
         everything = descendants(stack.proc.pid)
         arena = f"/dev/shm/loraplex-arena-{pids['adapter_store']}"
         assert os.path.exists(arena)
