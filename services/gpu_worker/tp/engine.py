@@ -130,7 +130,7 @@ class TPEngine(Engine):
                 self.followers.wait_all(READY, start_timeout_s, "ready (weights loaded)")
                 self._join_process_group(device, start_timeout_s, collective_timeout_s)
             super().__init__(self.layout.local_config(), shard, self._rank0_config(config, device), backend=backend)
-            comm = TPComm(tp_size, use_list_gather=device.type != "cuda")
+            comm = self._make_comm(device)
             tp_model = TPLlamaModel(self.layout, 0, shard, self.ops, self.max_model_len, comm)
             self.adapters = TPResidentAdapters(self.pool, self.cfg, config.max_resident_adapters,
                                                config.max_lora_rank, adapter_loader or self._registered_adapter,
@@ -145,6 +145,9 @@ class TPEngine(Engine):
             self.shutdown()
             raise
         log.info("tp.engine_ready", tp=tp_size, slot_width=self.layout.slot_width, num_slots=self.pool.num_slots)
+
+    def _make_comm(self, device: torch.device) -> TPComm:
+        return TPComm(self.tp_size, use_list_gather=device.type != "cuda")
 
     @staticmethod
     def _rank0_config(config: EngineConfig, device: torch.device) -> EngineConfig:
