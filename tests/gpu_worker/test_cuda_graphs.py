@@ -24,9 +24,11 @@ def run(base, adapters, graphs: bool):
     for name, w in adapters.items():
         engine.register_adapter(name, w)
     names = [None, "r4", "r32"]
-    for i in range(11):  # more than the largest graph bucket: the tail runs eagerly
+    # 11 requests: more than the largest graph bucket, so early decode steps run eagerly; requests end
+    # one by one, so later steps replay graphs of shrinking batch buckets.
+    for i in range(11):
         prompt = [(7 * i + j) % 500 + 3 for j in range(3 + 2 * i)]
-        engine.add_request(EngineRequest(f"q{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True),
+        engine.add_request(EngineRequest(f"q{i}", prompt, SamplingParams(max_tokens=3 + i, ignore_eos=True),
                                          names[i % 3], return_logits=True))
     tokens, logits = {}, {}
     while engine.has_unfinished():

@@ -1,0 +1,68 @@
+"""Where a decode step's time goes: torch profiler table of GPU kernels for one batch size, base only and
+with distinct adapters (Llama-2-7B shapes, dummy weights, eager so every kernel is visible).
+
+    python benchmarks/profile_decode.py --batch 128 --out profile.txt
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.engine_decode import LLAMA2_7B, synthetic_adapter
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.requests import EngineRequest
+from services.gpu_worker.sampling import SamplingParams
+from shared.config import EngineConfig
+from shared.model_config import ModelConfig
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--adapters", type=int, default=100)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--out", default="profile.txt")
+    args = p.parse_args()
+    cfg = ModelConfig.from_hf(LLAMA2_7B)
+    engine = Engine.with_dummy_weights(cfg, EngineConfig(device="cuda", dtype="bfloat16", num_slots=80_000,
+                                                         max_lora_rank=64, max_resident_adapters=args.adapters + 4,
+                                                         max_running_requests=args.batch, max_batched_tokens=8192,
+                                                         cuda_graphs=False))
+    ranks = (8, 16, 32, 64)
+    names = []
+    for i in range(args.adapters):
+        names.append(f"a{i}")
+        engine._local_adapters[names[-1]] = synthetic_adapter(names[-1], cfg, ranks[i % 4], ("q_proj", "k_proj", "v_proj", "o_proj"), engine.device)
+    report = []
+    for label, used in (("base", []), ("lora", names)):
+        for i in range(args.batch):
+            engine.add_request(EngineRequest(f"{label}{i}", [5 + i % 100] * args.prompt_len,
+                                             SamplingParams(max_tokens=64, ignore_eos=True), used[i % len(used)] if used else None))
+        while any(s.remaining > 1 for s in engine.running) or engine.waiting:
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 5 * 1e3
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        report.append(f"== {label} batch {args.batch}: {wall:.2f} ms/step (profiled, eager)\n{table}")
+        for seq in list(engine.running):
+            engine.abort(seq.request_id)
+        engine.step()
+    with open(args.out, "w") as f:
+        f.write("\n".join(report))
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
