@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from shared.model_config import ModelConfig
 
 from .ops.meta import AttnMeta, LoraBatch
+from .ops.reference import rms_norm  # noqa: F401  (the TP model norms its inputs with it)
 from .pool import UnifiedPool
 from .rope import Rotary
 from .weights import ModelWeights
@@ -30,13 +31,6 @@ class ForwardBatch:
     attn: AttnMeta
     lora: LoraBatch | None
     logits_index: torch.Tensor  # int32 [N]: tokens whose next-token logits are wanted
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Variance in fp32, as the HF implementation does, so fp16/bf16 match the reference closely.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class LlamaModel:
@@ -64,30 +58,32 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
         """Logits `[N, vocab]` (fp32) for the tokens in `batch.logits_index`."""
-        cfg, ops, lora = self.cfg, self.ops, batch.lora
+        cfg, ops, lora, eps = self.cfg, self.ops, batch.lora, self.cfg.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
         if lora is not None and hasattr(ops, "prepare_lora"):
             ops.prepare_lora(lora)
+        layers = self.w.layers
         h = self.w.embed[batch.input_ids]
-        for i, lw in enumerate(self.w.layers):
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+        x = ops.rms_norm(h, layers[0].input_norm, eps)
+        for i, lw in enumerate(layers):
             qkv = F.linear(x, lw.qkv, lw.qkv_bias)
             self._lora(x, qkv, lora, pool, i, QKV, self.split)
             q, k, v = qkv.split(self.split, dim=-1)
-            q = self.rotary.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), batch.positions)
-            k = self.rotary.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), batch.positions)
+            q, k = ops.rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim),
+                              k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                              batch.positions, self.rotary.cos, self.rotary.sin)
             ops.write_kv(pool.k(i), pool.v(i), batch.out_slots, k.reshape(num_tokens, -1), v)
             attn = ops.attention(q, pool.k(i), pool.v(i), batch.attn, self.scale).reshape(num_tokens, -1)
             o = F.linear(attn, lw.o)
             self._lora(attn, o, lora, pool, i, O, (cfg.hidden_size,))
-            h = h + o
-            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            h, x = ops.add_rms_norm(o, h, lw.post_norm, eps)
             gu = F.linear(x, lw.gate_up)
             self._lora(x, gu, lora, pool, i, GATE_UP, (self.inter, self.inter))
-            gate, up = gu.split(self.inter, dim=-1)
-            act = F.silu(gate) * up
+            act = ops.silu_mul(gu, self.inter)
             d = F.linear(act, lw.down)
             self._lora(act, d, lora, pool, i, DOWN, (cfg.hidden_size,))
-            h = h + d
-        h = rms_norm(h[batch.logits_index], self.w.final_norm, cfg.rms_norm_eps)
-        return F.linear(h, self.w.lm_head).float()
+            if i + 1 < len(layers):
+                h, x = ops.add_rms_norm(d, h, layers[i + 1].input_norm, eps)
+        idx = batch.logits_index
+        _, x = ops.add_rms_norm(d[idx], h[idx], self.w.final_norm, eps)
+        return F.linear(x, self.w.lm_head).float()

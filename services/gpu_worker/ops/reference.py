@@ -92,3 +92,35 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
             c0 = col_start[g]
             delta = y[g, mask, :r].float() @ bt.float()
             out[mask, c0: c0 + out_dims[g]] += delta.to(out.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / rms(x)`, the variance in fp32 as the Hugging Face Llama module computes it."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)): the residual stream and the next sublayer's input."""
+    summed = x + residual
+    return summed, rms_norm(summed, weight, eps)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q `[T, Hq, hd]` and k `[T, Hkv, hd]`, non-interleaved halves."""
+    c = cos[positions.long()].unsqueeze(1)
+    s = sin[positions.long()].unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+    return rotate(q), rotate(k)
+
+
+def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """SwiGLU: silu(gate) * up from `[T, 2I]` gate-then-up columns."""
+    gate, up = gate_up.split(intermediate, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -4,9 +4,13 @@ from __future__ import annotations
 import torch
 
 from ..kernels import attention, group_tokens_by_adapter, lora_expand, lora_shrink, write_kv
+from ..kernels.rms_norm import add_rms_norm, rms_norm
+from ..kernels.rotary import rotary
+from ..kernels.silu_mul import silu_mul
 from .meta import LoraBatch
 
-__all__ = ["write_kv", "attention", "lora_shrink", "lora_expand", "prepare_lora"]
+__all__ = ["write_kv", "attention", "lora_shrink", "lora_expand", "prepare_lora", "rms_norm", "add_rms_norm",
+           "rotary", "silu_mul"]
 
 
 def prepare_lora(lora: LoraBatch) -> None:
