@@ -49,7 +49,8 @@ def test_children_die_with_a_sigkilled_parent(tmp_path):
         open({str(pid_file)!r}, "w").write(str(child.pid))
         time.sleep(120)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": path})
     try:
         assert wait_for(lambda: pid_file.is_file() and pid_file.read_text(), 30)
         grandchild = int(pid_file.read_text())

@@ -12,7 +12,9 @@ from shared.log import configure_logging, get_logger
 from shared.model_config import ModelConfig
 
 from .arena_client import ArenaAdapterLoader, ArenaSegments, StoreClient
+from .engine import DTYPES
 from .service import WorkerService, install_signal_handlers
+from .warmup import WithWarmupAdapter, warm_up, warmup_adapter
 from .worker_config import WorkerConfig, parse_args
 
 log = get_logger(__name__)
@@ -55,15 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     segments = ArenaSegments(register_with_cuda=device.type == "cuda")
     store = StoreClient(ctx, worker.store_addr, worker.worker_id, worker.acquire_timeout_s)
     loader = ArenaAdapterLoader(store, segments, cfg.num_layers, cfg.kv_dim)
-    engine = build_engine(worker, engine_config, loader)
-    service = WorkerService(worker, engine, loader, ctx)
-    install_signal_handlers(service)
-    log.info("worker.started", worker=worker.worker_id, device=str(device), slots=engine.pool.num_slots,
-             model=worker.model or worker.dummy_weights)
+    warm = worker.warmup == "on" or (worker.warmup == "auto" and device.type == "cuda")
+    packed = warmup_adapter(cfg, DTYPES[engine_config.dtype]) if warm else None
+    engine = build_engine(worker, engine_config, WithWarmupAdapter(loader, packed) if warm else loader)
+    service = None
     try:
+        if warm:
+            warm_up(engine, cfg)
+        service = WorkerService(worker, engine, loader, ctx)
+        install_signal_handlers(service)
+        log.info("worker.started", worker=worker.worker_id, device=str(device), slots=engine.pool.num_slots,
+                 model=worker.model or worker.dummy_weights)
         service.run()
     finally:
-        service.close()
+        if service is not None:
+            service.close()
         if hasattr(engine, "shutdown"):
             engine.shutdown()  # tensor-parallel followers
         store.close()

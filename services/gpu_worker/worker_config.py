@@ -29,6 +29,7 @@ class WorkerConfig:
     heartbeat_s: float = _doc("WorkerStatus period while idle (every step sends one while busy)", 0.25)
     acquire_timeout_s: float = _doc("wait at most this long for the adapter_store to hand out an adapter", 30.0)
     ready_file: str = _doc("file written when the worker is ready and touched every heartbeat (supervisor liveness)", "")
+    warmup: str = _doc("run throwaway requests before reporting ready so kernels compile first: auto (on CUDA), on, off", "auto")
     gpu_prefetch_free_fraction: float = _doc(
         "load hinted adapters into the GPU pool ahead of use only while at least this fraction of slots is free", 0.5)
 
@@ -41,6 +42,8 @@ class WorkerConfig:
             raise ValueError("give exactly one of --model DIR or --dummy-weights CONFIG")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
         if self.heartbeat_s <= 0 or self.acquire_timeout_s <= 0:
             raise ValueError("heartbeat_s and acquire_timeout_s must be positive")
 

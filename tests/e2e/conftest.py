@@ -73,8 +73,9 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 class Stack:
     """One `loraplex up` process and the HTTP API it serves."""
 
-    def __init__(self, data_dir: Path, *args: str, log_path: Path | None = None):
+    def __init__(self, data_dir: Path, *args: str, log_path: Path | None = None, device: str = "cpu"):
         self.data_dir = data_dir
+        self.device = device
         self.port = free_port()
         self.args = list(args)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -83,10 +84,11 @@ class Stack:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> "Stack":
         cmd = [sys.executable, "-m", "shared.cli", "up", "--data-dir", str(self.data_dir), "--port", str(self.port),
-               "--device", "cpu", *self.args]
+               "--device", self.device, *self.args]
         self.log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while "loraplex.ready" not in self.log():
             if self.proc.poll() is not None:

@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import httpx
-import openai
 from tokenizers import Tokenizer
 
 from services.gpu_worker.engine import Engine
@@ -30,10 +29,10 @@ def cases(adapter_names: list[str], n: int = 32) -> list[dict]:
     return out
 
 
-def reference_texts(model_dir, adapter_dirs: dict, requests: list[dict]) -> dict[str, tuple[str, int]]:
+def reference_texts(model_dir, adapter_dirs: dict, requests: list[dict], engine_config: dict | None = None) -> dict[str, tuple[str, int]]:
     """Text and token count of each request from the in-process engine, decoded as the gateway decodes."""
     cfg = ModelConfig.from_dir(model_dir)
-    engine = Engine.from_model_dir(model_dir, EngineConfig(num_slots=4096))
+    engine = Engine.from_model_dir(model_dir, EngineConfig(**(engine_config or {"num_slots": 4096})))
     for name, folder in adapter_dirs.items():
         engine.register_adapter(name, load_adapter(folder, cfg, name=name))
     for r in requests:
@@ -109,6 +108,8 @@ def test_32_concurrent_greedy_requests_match_the_in_process_engine(stack, model_
 
 
 def test_openai_client_completions_chat_and_streaming(stack, mixed_adapters):
+    import openai  # a test dependency only this test needs
+
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=60, max_retries=0)
     name = sorted(mixed_adapters)[0]
     ids = {m.id for m in client.models.list().data}

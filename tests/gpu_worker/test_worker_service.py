@@ -73,7 +73,7 @@ def start_worker(ctx, root, model_dir, store_address: str, *extra: str, worker_i
     peer = SchedulerSide(router, worker, log_path, log, worker_id)
     peer.store_address = store_address
     try:
-        peer.status(lambda s: s.ready, timeout=120)
+        peer.first_status = peer.status(lambda s: s.ready, timeout=120)
     except BaseException:
         peer.close()
         raise
@@ -254,3 +254,24 @@ def test_tensor_parallel_worker_serves_the_same_tokens(stack, tiny_model_dir, ti
     for rid, *_ in cases:
         assert results[rid]["finish"] == "length", results[rid]
         assert results[rid]["tokens"] == expected[rid], rid
+
+
+def test_warm_up_runs_before_ready_and_leaves_the_pool_empty(stack, tiny_model_dir, tiny_adapter_dirs, tmp_path):
+    """`--warmup on` (the default on CUDA, where it compiles the kernels) runs throwaway requests with a
+    throwaway adapter before the first status; the pool is empty again and serving is unchanged."""
+    peer, ids = stack
+    ctx = zmq.Context()
+    warm = start_worker(ctx, tmp_path, tiny_model_dir, peer.store_address, "--warmup", "on", worker_id="warm0")
+    try:
+        first = warm.first_status
+        assert first.resident_adapters == [] and first.running == 0 and first.waiting == 0
+        assert first.free_slots == first.total_slots == NUM_SLOTS
+        assert first.adapter_loads == 1  # the warm-up adapter, evicted again
+        assert "worker.warmed_up" in warm.log_path.read_text()
+        cases = [("w-0", [1, 2, 3, 4], ids["adapter-001"], 4), ("w-1", [5, 6, 7], None, 4)]
+        results = warm.run([submit(rid, p, a, n) for rid, p, a, n in cases])
+    finally:
+        warm.close()
+        ctx.term()
+    expected = reference_tokens(tiny_model_dir, tiny_adapter_dirs, ids, cases)
+    assert {rid: r["tokens"] for rid, r in results.items()} == expected
