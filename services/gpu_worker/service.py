@@ -52,7 +52,9 @@ def engine_request(req: SubmitRequest) -> EngineRequest:
 
 @dataclass
 class Tracked:
-    gateway_id: str
+    """What the worker keeps of a request the engine holds (tokens go back through the scheduler, which
+    knows each request's gateway)."""
+
     prompt_tokens: int
 
 
@@ -124,7 +126,7 @@ class WorkerService:
                                                         prompt_tokens=len(req.prompt_ids), error=str(e)))
                 self.finished_ids.append(req.request_id)
                 continue
-            self.requests[req.request_id] = Tracked(req.gateway_id, len(req.prompt_ids))
+            self.requests[req.request_id] = Tracked(len(req.prompt_ids))
 
     def on_abort(self, msg: WorkerAbort) -> None:
         for request_id in msg.request_ids:
