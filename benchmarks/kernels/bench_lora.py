@@ -202,12 +202,11 @@ def sweep_launch_shapes(model: str, group: str, num_tokens: int, n_adapters: int
                            "split x2": replace(s0, n_split=s0.n_split * 2),
                            "split /2": replace(s0, n_split=max(1, s0.n_split // 2)),
                            "block_k 256": replace(s0, block_k=256), "warps 2": replace(s0, num_warps=2),
-                           "stages 3": replace(s0, num_stages=3)}
-        expand_variants = {"default": e0, "tiles x2": replace(e0, tiles_per_prog=e0.tiles_per_prog * 2),
-                           "tiles /2": replace(e0, tiles_per_prog=max(1, e0.tiles_per_prog // 2)),
-                           "tiles 1": replace(e0, tiles_per_prog=1),
+                           "stages 2": replace(s0, num_stages=2), "stages 3": replace(s0, num_stages=3)}
+        expand_variants = {"default": e0, "tiles 2": replace(e0, tiles_per_prog=2),
+                           "tiles 4": replace(e0, tiles_per_prog=4),
                            "block_r 16": replace(e0, block_r=16), "block_r 32": replace(e0, block_r=32),
-                           "block_n 64": replace(e0, block_n=64, tiles_per_prog=e0.tiles_per_prog * 2),
+                           "block_n 64": replace(e0, block_n=64), "block_n 256": replace(e0, block_n=256),
                            "warps 2": replace(e0, num_warps=2), "stages 3": replace(e0, num_stages=3)}
         y = kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, max_rank, **kwargs)
         for name, c in shrink_variants.items():

@@ -44,8 +44,8 @@ def _expand_token_kernel(
     y_row = y_ptr + g.to(tl.int64) * stride_yg + t.to(tl.int64) * stride_yt
     o_row = out_ptr + t.to(tl.int64) * stride_ot + module_slot(g, C0, C1, C2)
     n_hi = tl.minimum(out_dim, n_lo + tiles_per_prog * BLOCK_N)
-    # One program walks several column tiles: the dependent loads above (adapter, rank, offset) are paid
-    # once, and each tile's output is loaded before its weights so both are in flight together.
+    # A program may walk several column tiles (tiles_per_prog); each tile's output is loaded before its
+    # weights so both are in flight together.
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         if EVEN:
@@ -104,8 +104,7 @@ def _expand_segment_kernel(
             tok = pos
         o_rows = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + col0
         y_rows = y_base + tok.to(tl.int64)[:, None] * stride_yt
-        # Several column tiles per program (see the per-token kernel); each Bᵀ tile is read once for
-        # all of the segment's tokens in this token tile.
+        # Each Bᵀ tile is read once for all of the segment's tokens in this token tile.
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             if EVEN:
@@ -138,8 +137,9 @@ class ExpandConfig:
 def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, ...], width: int, max_rank: int,
                          device: torch.device, segmented: bool, max_seg_len: int | None = None,
                          num_segments: int | None = None) -> ExpandConfig:
-    """128-column tiles (256-byte row reads); as many column tiles per program as keeps about eight
-    programs per multiprocessor, so the per-program setup is paid once over several tiles."""
+    """128-column tiles (256-byte row reads), narrower only when few tokens would leave multiprocessors
+    idle. One column tile per program: walking several per program (to pay the per-program setup once)
+    measured slower on the H200 at every batch tried (docs/benchmarks.md), so tiles_per_prog stays 1."""
     target = 8 * num_sms(device)
 
     def n_tiles_of(bn: int) -> int:
@@ -151,14 +151,13 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         block_n = 64
     while block_n > 32 and units * num_groups * n_tiles_of(block_n) < target:
         block_n //= 2
-    tiles_per_prog = max(1, min(n_tiles_of(block_n), units * num_groups * n_tiles_of(block_n) // target))
     if segmented:
         block_m, chunk = 16, 0
         if max_seg_len is not None and max_seg_len > 64:
             block_m, chunk = 64, 64
-        return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, tiles_per_prog=tiles_per_prog,
-                            block_m=block_m, chunk_tokens=chunk)
-    return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n, tiles_per_prog=tiles_per_prog)
+        return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, block_m=block_m,
+                            chunk_tokens=chunk)
+    return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
 
 
 def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
