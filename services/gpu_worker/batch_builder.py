@@ -5,6 +5,8 @@ per-token and per-request array travels to the device in one copy.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from shared.model_config import MODULES
@@ -58,6 +60,12 @@ def build_batch(scheduled: list[tuple[Sequence, int]], tables: LoraTables, page_
     max_q = max(b - a for a, b in zip(q_start, q_start[1:]))
     attn = AttnMeta(q_start=q_start_d, ctx_lens=ctx_d, slot_table=page_table.gather(rows_d, max_ctx),
                     max_q_len=max_q, max_ctx_len=max_ctx, decode_only=max_q == 1)
-    lora = LoraBatch(tables=tables, token_adapter=adapters, max_rank=tuple(max_rank)) if any_lora else None
+    lora = None
+    if any_lora:
+        per_adapter = Counter()
+        for seq, n in scheduled:
+            per_adapter[seq.adapter.resident_id if seq.adapter is not None else -1] += n
+        lora = LoraBatch(tables=tables, token_adapter=adapters, max_rank=tuple(max_rank),
+                         max_seg_len=max(per_adapter.values()))
     batch = ForwardBatch(input_ids=ids, positions=pos, out_slots=slots, attn=attn, lora=lora, logits_index=logits_idx)
     return batch, samplers
