@@ -1,0 +1,120 @@
+"""The worker's adapter loader against a real adapter_store process: rows are viewed in the store's shared
+memory without a copy and hold exactly the packed adapter; a pin is taken once and dropped when the engine no
+longer holds the adapter (a deleted adapter's blob goes only then); a worker process that maps the arena and
+exits does not take the segment with it."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import zmq
+
+from services.gpu_worker.adapter_layout import pack_adapter
+from services.gpu_worker.arena_client import ArenaAdapterLoader, ArenaSegments, StoreClient
+from shared.adapter_format import load_adapter
+from shared.model_config import ModelConfig
+from shared.wire import DeleteAdapter, RegisterAdapter
+from tests.adapter_store.conftest import REPO, RedisServer, StoreProcess, adapter_files
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("arena-loader")
+    redis_server = RedisServer(root / "redis")
+    redis_server.start()
+    proc = StoreProcess(redis_server.url, root / "data", tiny_model_dir, None)
+    proc.start()
+    yield proc
+    proc.stop()
+    redis_server.stop()
+
+
+def register(store, folder, name: str) -> str:
+    client = store.client()
+    try:
+        config, weights = adapter_files(folder)
+        return client.call(RegisterAdapter(name=name, config_json=config, model_safetensors=weights)).card.id
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def loader(store, tiny_model_dir):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    ctx = zmq.Context()
+    segments = ArenaSegments(register_with_cuda=False)
+    client = StoreClient(ctx, store.address, "loader-test", timeout_s=20)
+    yield ArenaAdapterLoader(client, segments, cfg.num_layers, cfg.kv_dim)
+    client.close()
+    segments.close()
+    ctx.term()
+
+
+def test_rows_are_a_view_of_the_arena_holding_the_packed_adapter(store, loader, tiny_model_dir, tiny_adapter_dirs):
+    folder = tiny_adapter_dirs[1]
+    aid = register(store, folder, "view-me")
+    packed = loader(aid)
+    shm = next(iter(loader.segments._segments.values()))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
+    assert base <= packed.rows.data_ptr() < base + shm.size  # no copy: the tensor's bytes are the arena's
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    expected = pack_adapter(load_adapter(folder, cfg), cfg, cfg.kv_dim, packed.rows.dtype)
+    assert torch.equal(packed.rows, expected.rows)
+    assert (packed.ranks, packed.a_off, packed.b_off) == (expected.ranks, expected.a_off, expected.b_off)
+    assert loader(aid) is packed  # asked again while pinned: same view, no second pin
+    loader.release_all()
+
+
+def test_unknown_adapter_is_a_key_error(loader):
+    with pytest.raises(KeyError, match="nobody"):
+        loader("nobody@0000000000000000")
+    assert loader.pinned == {}
+
+
+def test_a_deleted_adapter_lives_until_the_engine_lets_go(store, loader, tiny_model_dir, tmp_path):
+    from shared.make_adapters import make_adapters
+
+    folder = make_adapters(tmp_path, tiny_model_dir, 1, ranks=[3], seed=77, prefix="pinned")[0]
+    aid = register(store, folder, "pinned-one")
+    loader(aid)
+    client = store.client()
+    try:
+        client.call(DeleteAdapter(name="pinned-one"))
+        blobs = store.data_dir / "blobs"
+        held = set(os.listdir(blobs))
+        assert loader.release_evicted({aid}) == []  # still resident in the engine: pin kept, blob kept
+        time.sleep(0.3)
+        assert set(os.listdir(blobs)) == held
+        assert loader.release_evicted(set()) == [aid]  # evicted: released, and the deletion completes
+        deadline = time.monotonic() + 10
+        while set(os.listdir(blobs)) == held:
+            assert time.monotonic() < deadline, "the deleted adapter's blob outlived its last pin"
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def test_a_worker_that_maps_the_arena_and_exits_leaves_it_in_place(store, tiny_adapter_dirs):
+    aid = register(store, tiny_adapter_dirs[0], "survivor")
+    script = textwrap.dedent(f"""
+        import zmq
+        from services.gpu_worker.arena_client import ArenaAdapterLoader, ArenaSegments, StoreClient
+        ctx = zmq.Context()
+        client = StoreClient(ctx, {store.address!r}, "short-lived", 20)
+        loader = ArenaAdapterLoader(client, ArenaSegments(False), 2, 64)
+        print(float(loader({aid!r}).rows.abs().sum()))
+        loader.release_all()
+        client.close()
+    """)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": path})
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) > 0
+    assert os.path.exists(f"/dev/shm/{store.arena_name}"), "the arena vanished with a process that only mapped it"
