@@ -121,3 +121,21 @@ def test_two_workers_serve_and_a_sigkilled_launcher_leaves_no_orphans(tmp_path):
     finally:
         stack.stop()
         stack.kill_everything()
+
+
+def test_external_redis_url_is_used_instead_of_an_embedded_one(tmp_path):
+    from tests.adapter_store.conftest import RedisServer
+
+    redis_server = RedisServer(tmp_path / "external-redis")
+    redis_server.start()
+    stack = Stack(tmp_path / "data", "--demo-adapters", "1", "--redis-url", redis_server.url)
+    try:
+        stack.start()
+        assert "redis" not in stack.service_pids()
+        assert registrations(stack).keys() == {"demo-000"}
+        keys = redis_server.client().keys("*")
+        assert keys, "the registry was not written to the given Redis"
+    finally:
+        stack.stop()
+        stack.kill_everything()
+        redis_server.stop()
