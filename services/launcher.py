@@ -93,6 +93,15 @@ def arena_unlink(child: Child) -> None:
             pass
 
 
+def check_model_dir(folder: Path, config: LauncherConfig) -> None:
+    """Refuse at once, naming the file, a model folder the services would each fail on later."""
+    flag = "--model" if config.model else "--dummy-weights"
+    missing = [f for f in ("config.json", "tokenizer.json") if not (folder / f).is_file()]
+    if missing:
+        raise RuntimeError(f"{flag} {folder}: missing {', '.join(missing)} (the workers read config.json, the "
+                           f"gateway tokenizes with tokenizer.json)")
+
+
 class Launcher:
     def __init__(self, config: LauncherConfig):
         self.config = config
@@ -119,6 +128,7 @@ class Launcher:
             from .launcher_demo import prepare_demo
 
             _, self.demo_folders = prepare_demo(self.data_dir, cfg.demo_adapters)
+        check_model_dir(Path(model_dir_of(cfg, self.data_dir)), cfg)
         device = self.device()
         on_cuda = device.startswith("cuda")
         dtype = cfg.dtype or ("bfloat16" if on_cuda else "float32")

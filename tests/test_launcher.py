@@ -172,3 +172,13 @@ def test_every_service_accepts_the_flags_the_launcher_gives_it(tmp_path):
     for name, argv in service_commands(config, t, "cpu", "float32", 4096).items():
         assert argv[0] == "-m"
         parsers[name](argv[2:])  # raises SystemExit on an unknown flag
+
+
+def test_a_model_folder_without_its_files_is_refused_by_name(tmp_path, capsys):
+    from services.launcher import main
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert main(["--model", str(tmp_path / "model"), "--data-dir", str(tmp_path / "data"), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "missing tokenizer.json" in err and "--model" in err
