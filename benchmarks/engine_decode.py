@@ -65,13 +65,14 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--slots", type=int, default=120_000)
+    p.add_argument("--modes", default="graphs,eager", help="graphs, eager or both")
     p.add_argument("--out", default="engine_decode.json")
     args = p.parse_args()
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
     batches = [int(b) for b in args.batches.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
     results = []
-    for graphs in (True, False):
+    for graphs in [m == "graphs" for m in args.modes.split(",")]:
         config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=args.slots, max_lora_rank=max(ranks),
                               max_resident_adapters=args.adapters + 8, max_running_requests=max(batches),
                               max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(batches))

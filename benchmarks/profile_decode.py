@@ -25,13 +25,14 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--adapters", type=int, default=100)
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--graphs", action="store_true", help="replay decode steps from CUDA graphs")
     p.add_argument("--out", default="profile.txt")
     args = p.parse_args()
     cfg = ModelConfig.from_hf(LLAMA2_7B)
     engine = Engine.with_dummy_weights(cfg, EngineConfig(device="cuda", dtype="bfloat16", num_slots=80_000,
                                                          max_lora_rank=64, max_resident_adapters=args.adapters + 4,
                                                          max_running_requests=args.batch, max_batched_tokens=8192,
-                                                         cuda_graphs=False))
+                                                         cuda_graphs=args.graphs))
     ranks = (8, 16, 32, 64)
     names = []
     for i in range(args.adapters):
@@ -54,7 +55,7 @@ def main() -> int:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 5 * 1e3
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
-        report.append(f"== {label} batch {args.batch}: {wall:.2f} ms/step (profiled, eager)\n{table}")
+        report.append(f"== {label} batch {args.batch}: {wall:.2f} ms/step (profiled, {'graphs' if args.graphs else 'eager'})\n{table}")
         for seq in list(engine.running):
             engine.abort(seq.request_id)
         engine.step()

@@ -32,6 +32,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
+    sliding_window: int | None = None  # Mistral: attention reaches back at most this many tokens
 
     @property
     def kv_dim(self) -> int:
@@ -86,6 +87,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
         )
 
     @classmethod

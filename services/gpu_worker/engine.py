@@ -43,6 +43,10 @@ class Engine:
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if cfg.sliding_window:
+            # Within the window, full causal attention is exactly sliding-window attention; beyond it the
+            # kernels would attend too far back, so the context stops at the window.
+            self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.ops = select_backend(self.device, backend)
         self.model = LlamaModel(cfg, weights, self.ops, self.max_model_len)
         num_slots = config.num_slots or self._slots_from_memory()
