@@ -6,7 +6,9 @@ step one launch. Everything a graph reads lives in static buffers: this step's t
 (one host-to-device copy), padding rows write to a scratch slot and attend to it alone.
 
 Shapes fixed at capture: the batch size (padded up to a bucket), the shrink width (the rank bucket: every
-adapter in the batch has rank <= it) and the attention split, planned for the longest allowed context.
+adapter in the batch has rank <= it) and the attention split, planned for the context bucket (a power of two
+>= the longest context in the batch): planning every step for the longest allowed context would split
+short contexts into mostly empty pieces.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from .requests import Sequence
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 RANK_BUCKETS = (16, 64)
+MIN_CONTEXT_BUCKET = 512
 IDS, POS, OUT_SLOT, CTX, ADAPTER, ROW = range(6)
 
 
@@ -44,15 +47,21 @@ class DecodeGraphs:
         self.q_start = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.slot_table = torch.zeros(size, page_table.max_len, dtype=torch.int32, device=device)
         self.mempool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def supports(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_buckets[-1]
 
-    def _batch(self, size: int, rank: int) -> ForwardBatch:
+    def _context_bucket(self, ctx: int) -> int:
+        bucket_len = MIN_CONTEXT_BUCKET
+        while bucket_len < ctx:
+            bucket_len *= 2
+        return min(bucket_len, self.page_table.max_len)
+
+    def _batch(self, size: int, rank: int, ctx: int) -> ForwardBatch:
         x = self.inputs[:, :size]
         attn = AttnMeta(q_start=self.q_start[: size + 1], ctx_lens=x[CTX], slot_table=self.slot_table[:size],
-                        max_q_len=1, max_ctx_len=self.page_table.max_len, decode_only=True)
+                        max_q_len=1, max_ctx_len=ctx, decode_only=True)
         lora = None
         if rank:
             lora = LoraBatch(tables=self.tables, token_adapter=x[ADAPTER], max_rank=(rank,) * len(MODULES))
@@ -63,9 +72,9 @@ class DecodeGraphs:
         torch.index_select(self.page_table.table, 0, self.inputs[ROW, :size], out=self.slot_table[:size])
         return self.model.forward(batch, self.pool)
 
-    def _capture(self, size: int, rank: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, rank: int, ctx: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.inputs[:, :size] = self.padding[:, None].to(self.inputs.device)
-        batch = self._batch(size, rank)
+        batch = self._batch(size, rank, ctx)
         side = torch.cuda.Stream(self.pool.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and autotune outside the capture
@@ -77,16 +86,18 @@ class DecodeGraphs:
             logits = self._forward(batch, size)
         return graph, logits
 
-    def capture_all(self) -> None:
-        """Capture every shape up front (largest first, so smaller graphs reuse its memory)."""
+    def capture(self, max_context: int) -> None:
+        """Capture every batch and rank bucket for contexts up to `max_context` ahead of traffic (largest
+        first, so smaller graphs reuse its memory); otherwise shapes are captured on first use."""
+        ctx = self._context_bucket(max_context)
         for size in reversed(self.batch_buckets):
             for rank in (0,) + self.rank_buckets:
-                self._graph(size, rank)
+                self._graph(size, rank, ctx)
 
-    def _graph(self, size: int, rank: int):
-        key = (size, rank)
+    def _graph(self, size: int, rank: int, ctx: int):
+        key = (size, rank, ctx)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(size, rank)
+            self.graphs[key] = self._capture(size, rank, ctx)
         return self.graphs[key]
 
     def run(self, seqs: list[Sequence], max_rank: int) -> torch.Tensor:
@@ -94,7 +105,7 @@ class DecodeGraphs:
         n = len(seqs)
         size = bucket(n, self.batch_buckets)
         rank = bucket(max_rank, self.rank_buckets) if max_rank else 0
-        graph, logits = self._graph(size, rank)
+        graph, logits = self._graph(size, rank, self._context_bucket(max(s.num_computed + 1 for s in seqs)))
         rows = [[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs], [s.slots[s.num_computed] for s in seqs],
                 [s.num_computed + 1 for s in seqs],
                 [s.adapter.resident_id if s.adapter is not None else -1 for s in seqs], [s.row for s in seqs]]
