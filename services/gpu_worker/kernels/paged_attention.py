@@ -131,9 +131,9 @@ class AttentionConfig:
 
 def choose_attention_config(meta: AttnMeta, num_kv_heads: int, group: int, head_dim: int,
                             device: torch.device) -> AttentionConfig:
-    """Splits of at most 512 context tokens, and at least ~8 programs per multiprocessor: a few programs
-    of very unequal length leave the GPU idle behind the longest (and with ~3 resident programs per
-    multiprocessor, a grid of 1.5 waves wastes a quarter of the time)."""
+    """Splits of at most 1024 context tokens, and at least ~4 programs per multiprocessor: enough programs
+    that no multiprocessor idles behind a few long ones, few enough that partials and the combine stay
+    cheap (the split counts measured best on the H200, docs/benchmarks.md)."""
     group_p = next_pow2(group)
     rows = 16 if meta.decode_only else 64
     block_q = max(1, rows // group_p)
@@ -142,7 +142,7 @@ def choose_attention_config(meta: AttnMeta, num_kv_heads: int, group: int, head_
     ctx = max(meta.max_ctx_len, 1)
     n_split = 1
     if meta.decode_only or meta.max_q_len <= 16:
-        n_split = max(cdiv(8 * num_sms(device), max(units, 1)), cdiv(ctx, 512))
+        n_split = max(cdiv(4 * num_sms(device), max(units, 1)), cdiv(ctx, 1024))
         n_split = max(1, min(n_split, cdiv(ctx, 128)))
     if meta.decode_only:
         return AttentionConfig(block_q=block_q, block_n=128 if head_dim <= 128 else 32, n_split=n_split,
