@@ -27,7 +27,8 @@ class WorkerConfig:
     tp: int = _doc("tensor-parallel degree", 1)
     backend: str = _doc("op backend: auto (triton on CUDA, reference on CPU), reference or triton", "auto")
     heartbeat_s: float = _doc("WorkerStatus period while idle (every step sends one while busy)", 0.25)
-    acquire_timeout_s: float = _doc("wait at most this long for the adapter_store to hand out an adapter", 30.0)
+    acquire_timeout_s: float = _doc("wait at most this long for the adapter_store to hand out an adapter (keep it under "
+                                    "the scheduler's heartbeat timeout: the loop sends no status meanwhile)", 5.0)
     ready_file: str = _doc("file written when the worker is ready and touched every heartbeat (supervisor liveness)", "")
     warmup: str = _doc("run throwaway requests before reporting ready so kernels compile first: auto (on CUDA), on, off", "auto")
     gpu_prefetch_free_fraction: float = _doc(
