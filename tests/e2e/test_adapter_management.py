@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 from tokenizers import Tokenizer
 

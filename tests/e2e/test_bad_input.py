@@ -2,7 +2,6 @@
 problem, nothing stored (no registration, no blob), and the server keeps serving."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
