@@ -51,13 +51,28 @@ def model(request):
 def test_tp_matches_single_gpu_on_a_mixed_adapter_batch(request, which, tp):
     preset, base, cfg, adapters, workload, expected = request.getfixturevalue(which)
     config = EngineConfig(max_lora_rank=64, max_resident_adapters=8)
-    with TPEngine.from_model_dir(base, config, tp_size=tp) as engine:
+    kw, registered = {}, adapters
+    if tp == 4:
+        # The service's way: a loader handing out the single-GPU row format (as the host arena holds it, here
+        # at a slot width unrelated to any pool's) that every rank's share is cut from.
+        packed = {name: pack_adapter(w, cfg, 48) for name, w in adapters.items()}
+        kw, registered = {"adapter_loader": packed.__getitem__}, {}
+    with TPEngine.from_model_dir(base, config, tp_size=tp, **kw) as engine:
         assert engine.pool.slot_width == cfg.kv_dim // tp
-        got = run(engine, adapters, workload)
+        got = run(engine, registered, workload)
         assert engine.adapters.loads == len(adapters)
         assert engine.num_preemptions == 0
         traffic = engine.total_traffic
         assert traffic["lora_all_gather"].calls > 0 and traffic["lora_all_reduce"].calls > 0
+    assert_same_output(expected, got)
+
+
+def test_tp_of_one_is_the_single_gpu_engine(mha):
+    _, base, _, adapters, workload, expected = mha
+    with TPEngine.from_model_dir(base, EngineConfig(max_lora_rank=64, max_resident_adapters=8), tp_size=1) as engine:
+        assert engine.followers is None
+        got = run(engine, adapters, workload)
+        assert engine.total_traffic["base_all_reduce"].calls == 0
     assert_same_output(expected, got)
 
 

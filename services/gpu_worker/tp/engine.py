@@ -185,7 +185,8 @@ class TPEngine(Engine):
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig, tp_size: int = 1, **kw) -> "TPEngine":
-        return cls(ModelConfig.from_dir(model_dir), config, tp_size, {"model_dir": str(model_dir)}, **kw)
+        # Absolute: the followers resolve it, and must find the same folder.
+        return cls(ModelConfig.from_dir(model_dir), config, tp_size, {"model_dir": str(Path(model_dir).resolve())}, **kw)
 
     @classmethod
     def with_dummy_weights(cls, cfg: ModelConfig, config: EngineConfig, tp_size: int = 1, **kw) -> "TPEngine":

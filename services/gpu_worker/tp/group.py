@@ -58,7 +58,7 @@ class FollowerGroup:
             fs = FollowerSpec(rank=rank, size=size, parent_pid=os.getpid(), channel=self.channel.address,
                               store_host="127.0.0.1", store_port=self.store.port, **spec)
             self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "services.gpu_worker.tp.follower", fs.to_json()], env=env, cwd=REPO_ROOT)
+                [sys.executable, "-m", "services.gpu_worker.tp.follower", fs.to_json()], env=env)
         log.info("tp.followers_spawned", size=size, pids=[p.pid for p in self.procs.values()])
 
     # ---- liveness and messages ------------------------------------------------------------------
