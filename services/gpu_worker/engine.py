@@ -134,6 +134,8 @@ class Engine:
     # ---- step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self._schedule()
+        if self.adapters.held_names - set(self.adapters.names):
+            self.adapters.keep_staged({s.req.adapter for s in self.waiting if s.req.adapter})
         outputs, self._pending = self._pending, []
         if not scheduled:
             return outputs

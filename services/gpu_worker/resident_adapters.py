@@ -68,6 +68,16 @@ class ResidentAdapters:
         return list(self._by_name)
 
     @property
+    def held_names(self) -> set[str]:
+        """Adapters whose host rows may still be read: resident in the pool, or staged for admission."""
+        return set(self._by_name) | set(self._staged)
+
+    def keep_staged(self, wanted: set[str]) -> None:
+        """Forget staged adapters no waiting request wants any more (e.g. the one waiting was aborted)."""
+        for name in [n for n in self._staged if n not in wanted]:
+            del self._staged[name]
+
+    @property
     def slots_in_use(self) -> int:
         return sum(len(r.slots) for r in self._by_name.values())
 

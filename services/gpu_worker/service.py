@@ -173,8 +173,7 @@ class WorkerService:
     def held_adapters(self) -> set[str]:
         """Adapters whose arena bytes the engine may still read: resident in its pool (the store's pin is
         kept for as long as that copy lives) or staged for a waiting request and not yet copied."""
-        adapters = self.engine.adapters
-        return set(adapters.names) | set(getattr(adapters, "_staged", ()))
+        return self.engine.adapters.held_names
 
     # ---- 3) emit -------------------------------------------------------------------------------
     def emit(self, outputs: list[RequestOutput]) -> None:

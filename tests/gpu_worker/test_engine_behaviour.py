@@ -108,3 +108,22 @@ def test_seeded_sampling_is_reproducible_and_survives_preemption(model_dir):
     got = drain(tight, limit=2000)
     assert tight.num_preemptions > 0
     assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in expected.items()}
+
+
+def test_adapter_staged_for_an_aborted_waiting_request_is_let_go(model_dir, tmp_path):
+    from shared.make_adapters import make_adapters
+    from shared.adapter_format import load_adapter
+    from shared.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model_dir)
+    [adapter_dir] = make_adapters(tmp_path / "ad", model_dir, 1, ranks=[8], seed=3)
+    engine = engine_for(model_dir, num_slots=200, max_lora_rank=8)
+    packed = engine.register_adapter("big", load_adapter(adapter_dir, cfg, 8))
+    # A base request fills most of the pool, so the adapter request must wait with its adapter staged.
+    engine.add_request(EngineRequest("hog", list(range(3, 200 - packed.n_slots + 10)), SamplingParams(max_tokens=5, ignore_eos=True)))
+    engine.add_request(EngineRequest("waits", [4, 5], SamplingParams(max_tokens=2), adapter="big"))
+    engine.step()
+    assert "big" in engine.adapters.held_names and "big" not in engine.adapters.names
+    engine.abort("waits")
+    engine.step()
+    assert "big" not in engine.adapters.held_names
