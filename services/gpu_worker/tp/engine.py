@@ -37,7 +37,7 @@ from ..requests import RequestOutput
 from ..resident_adapters import Resident, ResidentAdapters
 from .adapter_shards import shard_packed
 from .comm import TPComm, Traffic
-from .group import FollowerGroup, TPRankError
+from .group import FollowerGroup
 from .layout import TPLayout
 from .model import TPLlamaModel
 from .plan import INIT_DONE, READY, AdapterLoad
@@ -109,8 +109,8 @@ class TPEngine(Engine):
                  adapter_loader: Callable[[str], PackedAdapter] | None = None, backend: str = "auto",
                  start_timeout_s: float = 300.0, collective_timeout_s: float = 300.0, log_level: str = "info"):
         """`weights`: `{"model_dir": path}` or `{"dummy_seed": n}`, loaded by every rank itself.
-        `adapter_loader(name)`: the adapter in single-GPU pool row format (`pack_adapter` at slot width
-        `cfg.kv_dim`, as the host arena holds it); unknown names raise KeyError. Default: adapters given
+        `adapter_loader(name)`: the adapter in single-GPU pool row format (`pack_adapter` for the full model
+        at any slot width, as the host arena holds it); unknown names raise KeyError. Default: adapters given
         to `register_adapter`."""
         self.layout = TPLayout(cfg, tp_size)
         self.full_cfg = cfg
