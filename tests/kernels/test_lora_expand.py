@@ -76,3 +76,8 @@ def test_expand_rejects_bad_arguments(mutate, message):
     with pytest.raises(ValueError, match=message):
         lora_expand(args["y"], args["v_buf"], torch.zeros(5, dtype=torch.int32), lp.tables, (0, 1, 2),
                     torch.zeros(5, 64), args["out_dims"])
+
+
+def test_expand_prefill_token_tiles_wider_than_segments():
+    config = ExpandConfig(block_r=32, block_n=16, block_m=32, chunk_tokens=32)
+    run_case(ALIGNED_CFG, torch.float16, "segments", GROUPS["gate_up"], seed=19, config=config)

@@ -67,3 +67,9 @@ def test_shrink_rejects_bad_arguments(mutate, message):
     mutate(args)
     with pytest.raises(ValueError, match=message):
         lora_shrink(args.pop("x"), lp.k_buf, args.pop("token_adapter"), lp.tables, args.pop("modules"), 4, **args)
+
+
+def test_shrink_prefill_token_tiles_wider_than_segments():
+    # 32-token tiles over runs of 21, 3, 2, 4, 1 and 2 tokens: most of each tile is masked.
+    config = ShrinkConfig(block_r=32, block_k=16, n_split=1, block_m=32, chunk_tokens=32)
+    run_case(ALIGNED_CFG, torch.float16, "segments", GROUPS["gate_up"], seed=17, config=config)

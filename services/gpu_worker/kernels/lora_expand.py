@@ -154,7 +154,9 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     if segmented:
         block_m, chunk = 16, 0
         if max_seg_len is not None and max_seg_len > 64:
-            block_m, chunk = 64, 64
+            # As in choose_shrink_config: 64-token chunks, 64-token tiles only for long segments on average.
+            chunk = 64
+            block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
         return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, block_m=block_m,
                             chunk_tokens=chunk)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)

@@ -229,8 +229,10 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     if segmented:
         n_units = num_segments if num_segments is not None else num_tokens
         if max_seg_len is not None and max_seg_len > 64:
-            block_m = 64
-            chunk = block_m
+            # Long runs (prefill) are cut into 64-token chunks, one program each. 64-token tiles only when
+            # segments are long on average; a decode step grouped by adapter has a few tokens a segment.
+            chunk = 64
+            block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
             n_units = num_segments * cdiv(max_seg_len, chunk) if num_segments else cdiv(num_tokens, chunk)
     else:
         n_units = num_tokens
