@@ -252,7 +252,9 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
 
     With seg_start/seg_adapter the segment form runs (segments must cover all T positions; token_order,
     if given, maps sorted positions to tokens, as from group_tokens_by_adapter). max_seg_len (a host int,
-    optional) lets long prefill segments be spread over more programs. `out` may be given to write into
+    optional) lets long prefill segments be spread over 64-token programs; pass the longest run the host
+    knows of (an upper bound such as T is correct but launches programs that find no tokens), and leave
+    it out for decode steps. `out` may be given to write into
     (for example a buffer reused across CUDA graph replays)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
