@@ -372,6 +372,12 @@ class Pong(Message):
     call_id: str = ""
     workers_ready: int = 0  # scheduler only: workers that reported ready and are alive
     queue_depth: int = 0  # scheduler only: requests in the waiting queue
+    # adapter_store only: the host arena, so leaks of pins or bytes show in the gateway's /metrics
+    arena_capacity_bytes: int = 0
+    arena_used_bytes: int = 0
+    arena_pinned_bytes: int = 0
+    arena_adapters: int = 0
+    arena_pins: int = 0  # acquisitions not yet released, summed over adapters and workers
 
 
 # --------------------------------------------------------------------------------------------------

@@ -88,6 +88,12 @@ class Arena:
     def pinned_bytes(self) -> int:
         return sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values() if e.pinned)
 
+    @property
+    def pin_count(self) -> int:
+        """Acquisitions not yet released, over every adapter and worker (a leak shows as a count that
+        stays above what the workers' pools hold)."""
+        return sum(sum(e.pins.values()) for e in self._lru.values())
+
     # ---- loading and eviction
     def put(self, adapter: str, packed: PackedAdapter, keep: frozenset[str] = frozenset()) -> ArenaEntry:
         """Place an adapter's rows (no-op if already resident), evicting unpinned adapters as needed,

@@ -20,9 +20,10 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
 class SchedulerCollector:
     """Reads the scheduler view (and the latest adapter listing) when Prometheus scrapes."""
 
-    def __init__(self, scheduler_view, adapter_tiers):
+    def __init__(self, scheduler_view, adapter_tiers, store_pong=lambda: None):
         self.view = scheduler_view
         self.adapter_tiers = adapter_tiers  # () -> {"gpu": n, "host": n, "disk": n} from the last listing
+        self.store_pong = store_pong  # () -> the adapter_store's latest Pong (its arena figures), or None
 
     def collect(self):
         pong = self.view.pong
@@ -47,6 +48,15 @@ class SchedulerCollector:
         for tier, n in self.adapter_tiers().items():
             tiers.add_metric([tier], n)
         yield tiers
+        store = self.store_pong()
+        if store is not None:
+            arena = GaugeMetricFamily("loraplex_arena_bytes", "Host adapter arena bytes by use", labels=["kind"])
+            arena.add_metric(["total"], store.arena_capacity_bytes)
+            arena.add_metric(["used"], store.arena_used_bytes)
+            arena.add_metric(["pinned"], store.arena_pinned_bytes)
+            yield arena
+            yield _gauge("loraplex_arena_adapters", "Adapters held in the host arena", store.arena_adapters)
+            yield _gauge("loraplex_arena_pins", "Arena acquisitions by workers not yet released", store.arena_pins)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -56,7 +66,7 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class GatewayMetrics:
-    def __init__(self, scheduler_view, adapter_tiers):
+    def __init__(self, scheduler_view, adapter_tiers, store_pong=lambda: None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("loraplex_requests", "Inference requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
@@ -68,7 +78,7 @@ class GatewayMetrics:
         self.aborts = Counter("loraplex_aborts", "Requests aborted after they were queued, by reason", ["reason"], registry=r)
         self.rejections = Counter("loraplex_rejections", "Requests refused before running, by reason", ["reason"], registry=r)
         self.adapter_ops = Counter("loraplex_adapter_operations", "Adapter management calls by operation and HTTP status", ["op", "status"], registry=r)
-        r.register(SchedulerCollector(scheduler_view, adapter_tiers))
+        r.register(SchedulerCollector(scheduler_view, adapter_tiers, store_pong))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -42,7 +42,7 @@ class GatewayState:
         self.store = StoreClient(config.store_addr, self.ctx, config.store_timeout_s, config.ping_interval_s)
         self.tiers = {"gpu": 0, "host": 0, "disk": 0}
         self.tiers_at = 0.0
-        self.metrics = GatewayMetrics(self.scheduler.view, lambda: self.tiers)
+        self.metrics = GatewayMetrics(self.scheduler.view, lambda: self.tiers, lambda: self.store.pong)
         self.draining = False
         self.inflight = 0  # inference requests between validation and their last byte
         self.cards: dict[tuple[str, str], tuple[float, str]] = {}  # (tenant, name) -> (resolved at, adapter id)
