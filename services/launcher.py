@@ -301,6 +301,7 @@ class Launcher:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     configure_logging(json=config.log_json)
+    os.environ["LORAPLEX_LOG_JSON"] = "1" if config.log_json else "0"  # inherited by every child
     # Readiness probes poll over HTTP; one log line per probe would bury the services' own logs.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

@@ -9,6 +9,7 @@ into the message.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
@@ -33,8 +34,12 @@ class _NamedPrintLogger(structlog.PrintLogger):
         self.name = name or "loraplex"
 
 
-def configure_logging(json: bool = False, level: str | int = "info", stream=None) -> None:
-    """Set up structlog and stdlib logging for this process; safe to call again to change settings."""
+def configure_logging(json: bool | None = None, level: str | int = "info", stream=None) -> None:
+    """Set up structlog and stdlib logging for this process; safe to call again to change settings.
+    `json=None` follows LORAPLEX_LOG_JSON=1, which the launcher sets for every child it starts, so one
+    stack logs in one format."""
+    if json is None:
+        json = os.environ.get("LORAPLEX_LOG_JSON") == "1"
     numeric = _level(level)
     stream = sys.stderr if stream is None else stream
     shared = [

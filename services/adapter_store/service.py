@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -133,7 +132,7 @@ class StoreService:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = StoreConfig.from_args(argv)
-    configure_logging(json=not sys.stderr.isatty())
+    configure_logging()
     try:
         service = StoreService(cfg)
     except Exception as e:

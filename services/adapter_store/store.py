@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from pathlib import Path
 
 import torch
 

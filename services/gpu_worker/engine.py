@@ -16,7 +16,7 @@ import torch
 from shared.config import EngineConfig
 from shared.log import get_logger
 from shared.lora_weights import LoraWeights
-from shared.model_config import MODULES, ModelConfig
+from shared.model_config import ModelConfig
 
 from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier

@@ -10,7 +10,7 @@ from multiprocessing import shared_memory
 import pytest
 import torch
 
-from services.adapter_store.arena import ARENA_ALIGN, Arena, ArenaFull
+from services.adapter_store.arena import Arena, ArenaFull
 from services.adapter_store.arena_reader import location_rows
 from services.gpu_worker.adapter_layout import PackedAdapter
 from shared.wire import AdapterLocation

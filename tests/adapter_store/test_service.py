@@ -1,7 +1,6 @@
 """The store as a real process behind real ZeroMQ, on a real redis-server: management calls end to end."""
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest

@@ -19,7 +19,7 @@ import zmq
 
 from shared.wire import (
     AbortRequest, AdapterCard, AdapterDeleted, AdapterList, AdapterRegistered, DeleteAdapter, GetAdapter,
-    ListAdapters, Ping, Pong, RegisterAdapter, RequestRejected, StoreError, SubmitRequest, TokenBatch, TokenOutput,
+    ListAdapters, Ping, Pong, RegisterAdapter, StoreError, SubmitRequest, TokenBatch, TokenOutput,
     WorkerStatus, decode, encode,
 )
 

@@ -2,7 +2,6 @@
 Without a GPU the kernels run in Triton's interpreter, so the case is kept small."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from services.gpu_worker.engine import Engine

@@ -1,7 +1,6 @@
 """CUDA backend: the Triton kernels, with per-step LoRA grouping done once and shared by every layer."""
 from __future__ import annotations
 
-import torch
 
 from ..kernels import attention, group_tokens_by_adapter, lora_expand, lora_shrink, write_kv
 from ..kernels.rms_norm import add_rms_norm, rms_norm
