@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rss-tolerance-mb", type=float, default=64.0, help="RSS growth per service still counted as baseline")
     p.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("--settle-s", type=float, default=60.0, help="time the stack gets to return to idle at the end")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of the stack (0 = leave as is): on a small shared machine, idle intra-op "
+                        "threads spinning against other processes cost more than they give to a tiny model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default="", help="stack data dir (default: a fresh temporary folder)")
     p.add_argument("--out", default="soak.json", help="JSON summary written here")
@@ -115,6 +118,7 @@ class Stack:
         self.data_dir = data_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.torch_threads = args.torch_threads
         self.log_path = data_dir.parent / f"soak-stack-{self.port}.log"
         self.extra = ["--demo-adapters", str(args.demo_adapters),
                       "--set", f"worker.max_running_requests={args.max_running}",
@@ -125,6 +129,8 @@ class Stack:
     def start(self, timeout_s: float = 300.0) -> None:
         self.log_file = open(self.log_path, "ab")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        if self.torch_threads:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.torch_threads)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shared.cli", "up", "--device", "cpu", "--data-dir", str(self.data_dir),
              "--port", str(self.port), *self.extra],
@@ -407,8 +413,13 @@ async def run(args: argparse.Namespace, stack: Stack, summary: dict) -> bool:
         return all(checks.values())
 
 
+def _interrupted(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through main's cleanup: the stack is stopped
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)
     tmp = None
     if args.data_dir:
         data_dir = Path(args.data_dir).resolve()
@@ -428,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary["services"] = stack.services()
         passed = asyncio.run(run(args, stack, summary))
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:
         summary["failure"] = f"{type(e).__name__}: {e}"
     finally:
         summary["stack_exit_code"] = stack.stop()

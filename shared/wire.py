@@ -175,6 +175,7 @@ class WorkerStatus(Message):
     max_running: int = 0  # requests it runs at once at most; 0 = unknown (the scheduler's default applies)
     adapter_loads: int = 0  # adapters copied into the GPU pool since the worker started
     adapter_load_bytes: int = 0  # bytes of those copies
+    preemptions: int = 0  # running requests preempted (KV freed, recomputed later) since the worker started
 
 
 @record

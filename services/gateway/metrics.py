@@ -7,7 +7,7 @@ sitting in gauges nobody updates.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # The *_created series double the exposition for nothing a dashboard uses.
@@ -34,6 +34,7 @@ class SchedulerCollector:
         slots = GaugeMetricFamily("loraplex_pool_slots", "Unified pool slots by use", labels=["worker", "kind"])
         loads = CounterMetricFamily("loraplex_adapter_loads", "Adapters copied into a GPU pool", labels=["worker"])
         load_bytes = CounterMetricFamily("loraplex_adapter_load_bytes", "Bytes of adapters copied into a GPU pool", labels=["worker"])
+        preemptions = CounterMetricFamily("loraplex_preemptions", "Running requests preempted for KV space (recomputed later)", labels=["worker"])
         for worker_id, status in sorted(self.view.workers.items()):
             running.add_metric([worker_id], status.running)
             waiting.add_metric([worker_id], status.waiting)
@@ -43,7 +44,8 @@ class SchedulerCollector:
             slots.add_metric([worker_id, "total"], status.total_slots)
             loads.add_metric([worker_id], status.adapter_loads)
             load_bytes.add_metric([worker_id], status.adapter_load_bytes)
-        yield from (running, waiting, slots, loads, load_bytes)
+            preemptions.add_metric([worker_id], status.preemptions)
+        yield from (running, waiting, slots, loads, load_bytes, preemptions)
         tiers = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (gpu pool, host arena, disk)", labels=["tier"])
         for tier, n in self.adapter_tiers().items():
             tiers.add_metric([tier], n)
@@ -77,6 +79,8 @@ class GatewayMetrics:
         self.generation_tokens = Counter("loraplex_generation_tokens", "Tokens generated", registry=r)
         self.aborts = Counter("loraplex_aborts", "Requests aborted after they were queued, by reason", ["reason"], registry=r)
         self.rejections = Counter("loraplex_rejections", "Requests refused before running, by reason", ["reason"], registry=r)
+        # Set to read the gateway's own count at scrape time: a request that never ends shows here for good.
+        self.in_flight = Gauge("loraplex_gateway_in_flight", "Inference requests between validation and their last byte", registry=r)
         self.adapter_ops = Counter("loraplex_adapter_operations", "Adapter management calls by operation and HTTP status", ["op", "status"], registry=r)
         r.register(SchedulerCollector(scheduler_view, adapter_tiers, store_pong))
 

@@ -146,3 +146,9 @@ class SchedulerClient:
         for request_id, queue in list(self.streams.items()):
             queue.put_nowait(RequestRejected(request_id=request_id, status=503, code="scheduler_unavailable",
                                              message=message, retry_after=1.0))
+            # A submit still queued on this socket reaches the next scheduler process, which would run it for
+            # nobody: the abort follows it there.
+            try:
+                self._send(AbortRequest(request_id=request_id, reason="scheduler_lost"))
+            except SchedulerLost:
+                pass

@@ -45,6 +45,7 @@ class GatewayState:
         self.metrics = GatewayMetrics(self.scheduler.view, lambda: self.tiers, lambda: self.store.pong)
         self.draining = False
         self.inflight = 0  # inference requests between validation and their last byte
+        self.metrics.in_flight.set_function(lambda: self.inflight)
         self.cards: dict[tuple[str, str], tuple[float, str]] = {}  # (tenant, name) -> (resolved at, adapter id)
 
     async def start(self) -> None:

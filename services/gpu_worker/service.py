@@ -204,6 +204,7 @@ class WorkerService:
             running=cap["running"], waiting=cap["waiting"], resident_adapters=list(cap["resident_adapters"]),
             finished_request_ids=self.finished_ids, ready=not self.stopping, max_running=self.max_running,
             adapter_loads=cap["adapter_loads"], adapter_load_bytes=cap["adapter_bytes_loaded"],
+            preemptions=cap.get("preemptions", 0),
         )
         self._send(status)
         self.finished_ids = []

@@ -299,8 +299,18 @@ class Scheduler:
     def on_token_batch(self, identity: bytes, msg: TokenBatch) -> None:
         now = time.monotonic()
         worker = self.workers.get(msg.worker_id)
-        if worker is None or worker.identity != identity:
-            return  # from a worker already declared dead: its requests were requeued or failed
+        if worker is not None and worker.identity != identity:
+            worker = None  # an older process of this worker id, already declared dead
+        # Outputs of requests this scheduler never assigned to this socket: assigned by a scheduler process
+        # that has since died (or requeued away from a worker declared dead). Nobody will receive them, so
+        # the worker is told to drop them instead of computing them to the end.
+        orphans = [out.request_id for out in msg.outputs
+                   if not out.finished and (worker is None or out.request_id not in worker.requests)]
+        if orphans:
+            self.workers_sock.send(identity, WorkerAbort(request_ids=orphans))
+            self.log.warning("orphaned requests aborted on worker", worker=msg.worker_id, count=len(orphans))
+        if worker is None:
+            return
         per_gateway: dict[bytes, list[TokenOutput]] = defaultdict(list)
         for out in msg.outputs:
             flight = worker.requests.get(out.request_id)

@@ -1,0 +1,179 @@
+"""Fixtures and helpers of the reliability tests: real `loraplex up` stacks (tests.e2e's Stack), every wait
+bounded, and the checks that prove nothing leaked once a stack is idle again."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Stack, metric
+
+LONG = 1500  # tokens: far more than any test waits for (the tiny model has 2048 positions)
+
+
+def body(i: int, max_tokens: int = LONG, stream: bool = True, model: str = "model") -> dict:
+    return {"model": model, "prompt": [1, 9 + i % 50, 77, 78], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+
+
+def wait_for(pred, timeout_s: float, period_s: float = 0.05):
+    """pred()'s first truthy value, or None after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(period_s)
+
+
+def ready(stack: Stack) -> bool:
+    try:
+        with stack.client(timeout=5) as c:
+            return c.get("/ready").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def idle_without_leaks(stack: Stack, workers: tuple[str, ...] = ("worker-0",), timeout_s: float = 60.0) -> str:
+    """Metrics once the stack is idle, asserting nothing leaked: no request running or queued anywhere,
+    no KV slot held, every pool slot free or holding an adapter, the gateway holding no request, and the
+    arena's pins exactly those of the adapters resident in the workers' pools (each resident copy keeps
+    one pin; a request that ended without releasing its adapter would leave one more)."""
+    last: dict = {}
+
+    def settled():
+        text = stack.metrics()
+        values = {"queued": metric(text, "loraplex_queue_depth"),
+                  "gateway_in_flight": metric(text, "loraplex_gateway_in_flight"),
+                  "pins": metric(text, "loraplex_arena_pins"),
+                  "resident": metric(text, "loraplex_adapters_resident", tier="gpu")}
+        for w in workers:
+            values[f"{w}.running"] = metric(text, "loraplex_running_requests", worker=w)
+            values[f"{w}.waiting"] = metric(text, "loraplex_worker_waiting_requests", worker=w)
+            values[f"{w}.kv"] = metric(text, "loraplex_pool_slots", worker=w, kind="kv")
+            total = metric(text, "loraplex_pool_slots", worker=w, kind="total")
+            free = metric(text, "loraplex_pool_slots", worker=w, kind="free")
+            adapter = metric(text, "loraplex_pool_slots", worker=w, kind="adapter")
+            values[f"{w}.lost_slots"] = None if total is None else total - free - adapter
+        last.clear()
+        last.update(values)
+        zero = [k for k in values if k not in ("pins", "resident")]
+        return text if all(values[k] == 0 for k in zero) and values["pins"] == values["resident"] else None
+
+    text = wait_for(settled, timeout_s, 0.25)
+    assert text, f"the stack did not settle without leaks within {timeout_s}s: {last}"
+    return text
+
+
+@dataclass
+class Outcome:
+    """What one HTTP request got, read to its end."""
+
+    status: int | None = None
+    events: list = field(default_factory=list)  # SSE data payloads (parsed), [DONE] excluded
+    done: bool = False
+    body: dict | None = None
+    started: float = 0.0
+    first_token: float | None = None
+    ended: float | None = None
+    error: str | None = None  # transport error
+
+    @property
+    def terminals(self) -> list[str]:
+        """Every terminal answer the request got: finish reasons and error events (one expected)."""
+        out = []
+        for e in self.events:
+            if "after_done" in e:
+                out.append("event after [DONE]")
+            elif "error" in e:
+                out.append("error")
+            else:
+                out += [c["finish_reason"] for c in e.get("choices", []) if c.get("finish_reason")]
+        return out
+
+    @property
+    def tokens(self) -> int:
+        return sum(1 for e in self.events if "error" not in e and e.get("choices"))
+
+
+def stream_request(url: str, payload: dict, out: Outcome, first_token: threading.Event | None = None,
+                   timeout_s: float = 120.0) -> None:
+    """POST a streaming completion and record everything it answers (run in a thread)."""
+    out.started = time.monotonic()
+    try:
+        with httpx.Client(base_url=url, timeout=timeout_s) as c:
+            with c.stream("POST", "/v1/completions", json=payload) as r:
+                out.status = r.status_code
+                if r.status_code != 200:
+                    r.read()
+                    out.body = r.json()
+                    return
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        out.done = True
+                    elif line.startswith("data: "):
+                        if out.done:
+                            out.events.append({"after_done": line})
+                            continue
+                        event = json.loads(line[6:])
+                        out.events.append(event)
+                        if out.first_token is None and "error" not in event:
+                            out.first_token = time.monotonic()
+                            if first_token is not None:
+                                first_token.set()
+    except httpx.HTTPError as e:
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        out.ended = time.monotonic()
+
+
+def plain_request(url: str, payload: dict, out: Outcome, timeout_s: float = 120.0) -> None:
+    out.started = time.monotonic()
+    try:
+        with httpx.Client(base_url=url, timeout=timeout_s) as c:
+            r = c.post("/v1/completions", json={**payload, "stream": False})
+            out.status = r.status_code
+            out.body = r.json()
+    except httpx.HTTPError as e:
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        out.ended = time.monotonic()
+
+
+def start_threads(n: int, target, args_of) -> list[threading.Thread]:
+    threads = [threading.Thread(target=target, args=args_of(i), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def join_all(threads: list[threading.Thread], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"requests still open {timeout_s}s later: a request hung"
+
+
+def make_stack(tmp_path_factory, name: str, *args: str) -> Stack:
+    root = tmp_path_factory.mktemp(name)
+    return Stack(root / "data", *args)
+
+
+@pytest.fixture
+def stack_factory(tmp_path_factory):
+    """Start stacks that the test may damage; every one is stopped (or killed) afterwards."""
+    stacks: list[Stack] = []
+
+    def start(name: str, *args: str) -> Stack:
+        s = make_stack(tmp_path_factory, name, *args)
+        stacks.append(s)
+        return s.start()
+
+    yield start
+    for s in stacks:
+        s.stop()
+        s.kill_everything()
