@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from shared.config import from_dict
+from shared.config import add_config_arguments, from_dict
+from shared.config import doc_field as _doc
 
 SERVICES = ("redis", "adapter_store", "scheduler", "gpu_worker", "gateway")
 
 
-def _doc(text: str, default):
-    return field(default=default, metadata={"doc": text})
 
 
 @dataclass
@@ -85,16 +84,10 @@ def service_extra(item: str) -> tuple[str, str, str]:
 
 def parse_args(argv: list[str] | None = None) -> LauncherConfig:
     parser = argparse.ArgumentParser(prog="loraplex up", description=LauncherConfig.__doc__)
-    for f in fields(LauncherConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
-        help_text = f"{f.metadata.get('doc', '')} (default: {default!r})"
-        if f.name == "set":
-            parser.add_argument(flag, dest="set", action="append", default=[], metavar="SERVICE.FLAG=VALUE", help=f.metadata["doc"])
-        elif isinstance(default, bool):
-            parser.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            parser.add_argument(flag, dest=f.name, type=type(default), default=default, help=help_text)
+    add_config_arguments(parser, LauncherConfig, skip=("set",))
+    set_field = next(f for f in fields(LauncherConfig) if f.name == "set")
+    parser.add_argument("--set", dest="set", action="append", default=[], metavar="SERVICE.FLAG=VALUE",
+                        help=set_field.metadata["doc"])
     try:
         return LauncherConfig(**vars(parser.parse_args(argv)))
     except ValueError as e:

@@ -1,12 +1,17 @@
 """Typed configuration. Field docs double as CLI help; unknown keys are rejected."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 
-def _doc(text: str, default):
+def doc_field(text: str, default):
+    """A config field whose doc string becomes its `--help` text."""
     return field(default=default, metadata={"doc": text})
+
+
+_doc = doc_field
 
 
 @dataclass
@@ -42,3 +47,34 @@ def from_dict(cls, values: dict):
 
 def field_docs(cls) -> dict[str, str]:
     return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+
+
+def _arg_type(f: dataclasses.Field, default):
+    if default is not None:
+        return type(default)
+    name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "str")
+    return {"int": int, "float": float}.get(name.split("|")[0].strip(), str)
+
+
+def add_config_arguments(parser, cls, skip: tuple[str, ...] = ()) -> None:
+    """One `--flag-name` per field of a config dataclass (booleans get --flag / --no-flag)."""
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not MISSING else None
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata.get('doc', '')} (default: {default!r})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=_arg_type(f, default), default=default, help=help_text)
+
+
+def config_from_args(cls, argv: list[str] | None, prog: str):
+    """Parse a process's command line into its config dataclass; a bad value is a usage error."""
+    parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    add_config_arguments(parser, cls)
+    try:
+        return cls(**vars(parser.parse_args(argv)))
+    except ValueError as e:
+        parser.error(str(e))

@@ -34,6 +34,16 @@ class _NamedPrintLogger(structlog.PrintLogger):
         self.name = name or "loraplex"
 
 
+class _Stderr:
+    """Whatever sys.stderr is at write time (test runners and daemonisation swap it after logging is set up)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(json: bool | None = None, level: str | int = "info", stream=None) -> None:
     """Set up structlog and stdlib logging for this process; safe to call again to change settings.
     `json=None` follows LORAPLEX_LOG_JSON=1, which the launcher sets for every child it starts, so one
@@ -41,7 +51,7 @@ def configure_logging(json: bool | None = None, level: str | int = "info", strea
     if json is None:
         json = os.environ.get("LORAPLEX_LOG_JSON") == "1"
     numeric = _level(level)
-    stream = sys.stderr if stream is None else stream
+    stream = _Stderr() if stream is None else stream
     shared = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

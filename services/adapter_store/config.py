@@ -1,14 +1,10 @@
 """Typed configuration of the adapter_store service; field docs become `--help`."""
 from __future__ import annotations
 
-import argparse
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 
-from shared.config import from_dict
-
-
-def _doc(text: str, default):
-    return field(default=default, metadata={"doc": text})
+from shared.config import config_from_args, from_dict
+from shared.config import doc_field as _doc
 
 
 @dataclass
@@ -34,14 +30,4 @@ class StoreConfig:
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "StoreConfig":
-        parser = argparse.ArgumentParser(prog="python -m services.adapter_store", description=cls.__doc__)
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not MISSING else None
-            help_text = f"{f.metadata.get('doc', '')} (default: {default!r})"
-            if f.type in (bool, "bool"):
-                parser.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
-            else:
-                kind = {"int": int, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-                parser.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
-        return cls(**vars(parser.parse_args(argv)))
+        return config_from_args(cls, argv, "python -m services.adapter_store")

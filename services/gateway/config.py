@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 
-from shared.config import from_dict
+from shared.config import add_config_arguments, from_dict
+from shared.config import doc_field as _doc
 
 
-def _doc(text: str, default):
-    return field(default=default, metadata={"doc": text})
 
 
 @dataclass
@@ -49,14 +48,7 @@ class GatewayConfig:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "GatewayConfig":
         parser = argparse.ArgumentParser(prog="python -m services.gateway", description=cls.__doc__)
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not MISSING else None
-            help_text = f"{f.metadata.get('doc', '')} (default: {default!r})"
-            if isinstance(default, bool):
-                parser.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
-            else:
-                parser.add_argument(flag, dest=f.name, type=type(default), default=default, help=help_text)
+        add_config_arguments(parser, cls)
         config = cls(**vars(parser.parse_args(argv)))
         if not config.model_dir:
             parser.error("--model-dir is required")

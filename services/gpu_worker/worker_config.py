@@ -6,13 +6,12 @@ The engine's own settings (EngineConfig) are flattened into the same command lin
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, fields
 
-from shared.config import EngineConfig, from_dict
+from shared.config import EngineConfig, add_config_arguments, from_dict
+from shared.config import doc_field as _doc
 
 
-def _doc(text: str, default):
-    return field(default=default, metadata={"doc": text})
 
 
 @dataclass
@@ -50,16 +49,7 @@ class WorkerConfig:
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls, title: str) -> None:
-    group = parser.add_argument_group(title, cls.__doc__)
-    for f in fields(cls):
-        default = f.default if f.default is not MISSING else None
-        flag = "--" + f.name.replace("_", "-")
-        kind = {"int": int, "float": float, "str": str, "bool": bool}[f.type if isinstance(f.type, str) else f.type.__name__]
-        help_text = f"{f.metadata.get('doc', '')} (default: {default!r})"
-        if kind is bool:
-            group.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            group.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
+    add_config_arguments(parser.add_argument_group(title, cls.__doc__), cls)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, EngineConfig]:

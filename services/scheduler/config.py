@@ -1,14 +1,10 @@
 """Typed configuration of the scheduler process; field docs become `--help`, unknown keys are rejected."""
 from __future__ import annotations
 
-import argparse
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 
-from shared.config import from_dict
-
-
-def _doc(text: str, default):
-    return field(default=default, metadata={"doc": text})
+from shared.config import config_from_args, from_dict
+from shared.config import doc_field as _doc
 
 
 @dataclass
@@ -54,13 +50,4 @@ class SchedulerConfig:
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "SchedulerConfig":
-        parser = argparse.ArgumentParser(prog="python -m services.scheduler", description=cls.__doc__)
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not MISSING else None
-            help_text = f"{f.metadata.get('doc', '')} (default: {default!r})"
-            if isinstance(default, bool):
-                parser.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
-            else:
-                parser.add_argument(flag, dest=f.name, type=type(default), default=default, help=help_text)
-        return cls(**vars(parser.parse_args(argv)))
+        return config_from_args(cls, argv, "python -m services.scheduler")
