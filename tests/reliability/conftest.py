@@ -99,8 +99,10 @@ class Outcome:
         return out
 
     @property
-    def tokens(self) -> int:
-        return sum(1 for e in self.events if "error" not in e and e.get("choices"))
+    def completion_tokens(self) -> int | None:
+        """From the usage chunk (streams are sent with include_usage)."""
+        usage = [e["usage"] for e in self.events if e.get("usage")]
+        return usage[-1]["completion_tokens"] if usage else None
 
 
 def stream_request(url: str, payload: dict, out: Outcome, first_token: threading.Event | None = None,
@@ -110,6 +112,7 @@ def stream_request(url: str, payload: dict, out: Outcome, first_token: threading
     out.started = time.monotonic()
     try:
         with httpx.Client(base_url=url, timeout=timeout_s) as c:
+            payload = {"stream_options": {"include_usage": True}, **payload, "stream": True}
             with c.stream("POST", "/v1/completions", json=payload) as r:
                 out.status = r.status_code
                 if r.status_code != 200:

@@ -1,0 +1,75 @@
+"""SIGTERM to the launcher under load: requests that arrive during the drain get 503, every request in
+flight (running or still queued) finishes within the drain timeout, one that cannot finish in time ends
+with a clean error event when the timeout expires, and every child process exits."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.e2e.conftest import descendants, wait_gone
+from tests.reliability.conftest import (
+    LONG, Outcome, body, join_all, plain_request, start_threads, stream_request, wait_for,
+)
+
+DRAIN_TIMEOUT_S = 10.0
+RUNNING = 5  # streaming when SIGTERM arrives (one of them can never finish in time)
+QUEUED = 3  # still in the scheduler's queue then
+
+
+def test_sigterm_under_load_refuses_new_requests_finishes_in_flight_ones_and_exits(stack_factory):
+    stack = stack_factory("drain", "--demo-adapters", "1", "--drain-timeout-s", f"{DRAIN_TIMEOUT_S:g}",
+                          "--set", f"worker.max_running_requests={RUNNING}", "--set", "scheduler.first_token_slo_s=0")
+    children = descendants(stack.proc.pid)
+    assert len(children) >= 5
+
+    running = [Outcome() for _ in range(RUNNING)]
+    first = [threading.Event() for _ in range(RUNNING)]
+    # Short enough to finish well inside the drain timeout, except the last one.
+    tokens = [24, 40, 24, 40, LONG]
+    models = ["model", "demo-000"] * 3
+    threads = start_threads(RUNNING, stream_request,
+                            lambda i: (stack.url, body(i, max_tokens=tokens[i], model=models[i]), running[i], first[i]))
+    assert all(e.wait(60) for e in first), "the requests never started"
+    queued = [Outcome() for _ in range(QUEUED)]
+    threads += start_threads(QUEUED, plain_request, lambda i: (stack.url, body(20 + i, max_tokens=16), queued[i]))
+    with stack.client() as c:
+        assert wait_for(lambda: "loraplex_queue_depth 3.0" in c.get("/metrics").text, 10), "requests were not queued"
+
+    stack.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    # New requests during the drain: 503 with an error body once the gateway has the signal (the launcher
+    # passes it on within its supervision period), until the gateway stops listening.
+    answers = []
+    while time.monotonic() - signalled < DRAIN_TIMEOUT_S and sum(r.status_code == 503 for r in answers) < 5:
+        try:
+            with stack.client(timeout=5) as c:
+                answers.append(c.post("/v1/completions", json=body(40, max_tokens=2, stream=False)))
+        except httpx.TransportError:
+            break  # the gateway is gone: nothing can be accepted any more
+        time.sleep(0.1)
+    statuses = [r.status_code for r in answers]
+    assert 503 in statuses, statuses
+    accepted_before = statuses.index(503)
+    assert set(statuses[accepted_before:]) == {503}, statuses
+    assert all(r.json()["usage"]["completion_tokens"] == 2 for r in answers[:accepted_before])
+    for r in answers[accepted_before:]:
+        assert r.json()["error"]["message"] and r.headers.get("retry-after")
+
+    join_all(threads, DRAIN_TIMEOUT_S + 10)
+    for out, n in zip(running[:-1] + queued, tokens[:-1] + [16] * QUEUED):
+        assert out.error is None and out.status == 200, out
+        if out.body is not None:  # a queued (non-streaming) request
+            assert out.body["usage"]["completion_tokens"] == n and out.body["choices"][0]["finish_reason"] == "length"
+        else:
+            assert out.done and out.terminals == ["length"] and out.completion_tokens == n, out
+        assert out.ended - signalled < DRAIN_TIMEOUT_S
+    # The request that could not finish: exactly one terminal answer, an error, when the drain timed out.
+    cut = running[-1]
+    assert cut.status == 200 and cut.error is None and cut.done and cut.terminals == ["error"], cut
+    assert DRAIN_TIMEOUT_S - 1 < cut.ended - signalled < DRAIN_TIMEOUT_S + 5
+
+    assert stack.proc.wait(DRAIN_TIMEOUT_S + 30) == 0
+    assert wait_gone(children, 10) == [], "children outlived the drain"
