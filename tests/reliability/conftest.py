@@ -186,3 +186,28 @@ def stack_factory(tmp_path_factory):
     for s in stacks:
         s.stop()
         s.kill_everything()
+
+
+GENERAL_MAX_RUNNING = 8
+GENERAL_UPLOAD_CAP = 2_000_000
+
+
+@pytest.fixture(scope="session")
+def general_allowed_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("reliability-allowed-root")
+
+
+@pytest.fixture(scope="session")
+def general_stack(tmp_path_factory, general_allowed_root):
+    """One stack for the tests that leave it serving (cancel storms, hostile input, fuzzing): demo adapters,
+    a 2 MB upload cap and path registration under general_allowed_root."""
+    s = make_stack(tmp_path_factory, "reliability-general", "--demo-adapters", "2",
+                   "--allowed-root", str(general_allowed_root),
+                   "--set", f"worker.max_running_requests={GENERAL_MAX_RUNNING}",
+                   "--set", f"gateway.max_upload_bytes={GENERAL_UPLOAD_CAP}",
+                   "--set", f"store.max_upload_bytes={GENERAL_UPLOAD_CAP}", "--set", "scheduler.first_token_slo_s=0")
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+        s.kill_everything()
