@@ -26,9 +26,9 @@ from .model import LlamaModel
 from .ops import select_backend
 from .page_table import PageTable
 from .pool import UnifiedPool
-from .requests import EngineRequest, RequestOutput, Sequence
+from .requests import EngineRequest, RequestOutput, Sequence, StepInFlight
 from .resident_adapters import ResidentAdapters
-from .sampling import sample
+from .sampling import finish_sampling, start_greedy
 from .weights import ModelWeights, dummy_weights, load_weights
 
 log = get_logger(__name__)
@@ -63,6 +63,8 @@ class Engine:
         self.running: list[Sequence] = []  # admission order: oldest first
         self._by_id: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
+        self._in_flight: StepInFlight | None = None
+        self._deferred_aborts: list[str] = []
         self._order = 0
         self.num_preemptions = 0
         self.step_count = 0
@@ -125,6 +127,10 @@ class Engine:
         seq = self._by_id.get(request_id)
         if seq is None:
             return False
+        if self._in_flight is not None and seq in self.running:
+            # Its slots may still be written by the step in flight: free them when that step is done.
+            self._deferred_aborts.append(request_id)
+            return True
         self._finish(seq, "abort")
         return True
 
@@ -133,12 +139,19 @@ class Engine:
 
     # ---- step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> StepInFlight:
+        """Schedule and launch one step without waiting for the GPU. The caller may do host work (emit the
+        last step's tokens, drain its sockets, add or abort requests) before `finish_step`; aborts that
+        arrive meanwhile take effect once the step's kernels are done with the request's slots."""
         scheduled = self._schedule()
         if self.adapters.held_names - set(self.adapters.names):
             self.adapters.keep_staged({s.req.adapter for s in self.waiting if s.req.adapter})
         outputs, self._pending = self._pending, []
+        flight = StepInFlight(outputs)
         if not scheduled:
-            return outputs
+            return flight
         if self.copier is not None:
             self.copier.order_before_compute()
         if self.graphs is not None and self._is_decode(scheduled) and self.graphs.supports(len(scheduled)):
@@ -151,19 +164,34 @@ class Engine:
         self.step_count += 1
         for seq, n in scheduled:
             seq.num_computed += n
+        flight.samplers, flight.logits = samplers, logits
         if samplers:
-            tokens = sample(logits, [s.req.sampling for s in samplers], [s.generator for s in samplers])
+            flight.greedy = start_greedy(logits)
+        self._in_flight = flight
+        return flight
+
+    def finish_step(self, flight: StepInFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, apply stop conditions, free what finished."""
+        self._in_flight = None
+        outputs = flight.outputs
+        if flight.samplers:
+            samplers = flight.samplers
+            tokens = finish_sampling(flight.greedy, flight.logits, [s.req.sampling for s in samplers],
+                                     [s.generator for s in samplers])
             for row, (seq, token) in enumerate(zip(samplers, tokens)):
                 seq.tokens.append(token)
                 out = RequestOutput(seq.request_id, [token], prompt_tokens=seq.prompt_len,
                                     completion_tokens=seq.num_output)
                 if seq.req.return_logits:
-                    out.logits = [logits[row].cpu()]
+                    out.logits = [flight.logits[row].cpu()]
                 reason = self._stop_reason(seq, token)
                 if reason:
                     self._release(seq)
                     out.finished, out.finish_reason = True, reason
                 outputs.append(out)
+        deferred, self._deferred_aborts = self._deferred_aborts, []
+        for request_id in deferred:
+            self.abort(request_id)
         return outputs
 
     @staticmethod

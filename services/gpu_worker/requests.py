@@ -60,3 +60,14 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens still to run through the model before the next sample."""
         return len(self.tokens) - self.num_computed
+
+
+@dataclass
+class StepInFlight:
+    """A launched step: its outputs so far (aborts from before it), and the requests that sample from its
+    logits once the GPU is done."""
+
+    outputs: list[RequestOutput]
+    samplers: list[Sequence] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    greedy: object = None  # sampling.start_greedy's handle

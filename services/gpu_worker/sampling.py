@@ -57,12 +57,41 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` [N, vocab]. Greedy rows share one argmax (one device sync)."""
-    out = logits.argmax(dim=-1).tolist()
+class GreedyTokens:
+    """Argmax of every row, copied to host memory asynchronously; `tolist` waits for it."""
+
+    def __init__(self, logits: torch.Tensor):
+        ids = logits.argmax(dim=-1).to(torch.int32)
+        if ids.is_cuda:
+            self.host = torch.empty(ids.shape, dtype=torch.int32, pin_memory=True)
+            self.host.copy_(ids, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = ids, None
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def start_greedy(logits: torch.Tensor) -> GreedyTokens:
+    return GreedyTokens(logits)
+
+
+def finish_sampling(greedy: GreedyTokens, logits: torch.Tensor, params: list[SamplingParams],
+                    generators: list[torch.Generator | None]) -> list[int]:
+    """Greedy rows from the argmax copy; other rows drawn on the host from their own generator."""
+    out = greedy.tolist()
     for i, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
         probs = torch.softmax(filter_logits(logits[i].float().cpu(), p), dim=-1)
         out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of `logits` [N, vocab]. Greedy rows share one argmax (one device sync)."""
+    return finish_sampling(start_greedy(logits), logits, params, generators)

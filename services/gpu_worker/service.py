@@ -85,6 +85,7 @@ class WorkerService:
         self.requests: dict[str, Tracked] = {}
         self.finished_ids: list[str] = []
         self.pending_outputs: list[TokenOutput] = []
+        self.unsent: list[RequestOutput] = []  # the last step's outputs, sent while the next step runs
         self.status_step = 0
         self.last_status = float("-inf")
         self.last_touch = float("-inf")
@@ -162,11 +163,8 @@ class WorkerService:
                 log.info("worker.prefetch_failed", adapter=adapter, error=str(e))
 
     # ---- 2) step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        if not self.engine.has_unfinished():
-            self.loader.release_evicted(self.held_adapters())
-            return []
-        outputs = self.engine.step()
+    def finish_step(self, flight) -> list[RequestOutput]:
+        outputs = self.engine.finish_step(flight)
         self.loader.release_evicted(self.held_adapters())
         return outputs
 
@@ -227,18 +225,24 @@ class WorkerService:
 
     # ---- loop ----------------------------------------------------------------------------------
     def run_once(self) -> None:
-        busy = self.engine.has_unfinished() or bool(self.pending_outputs)
-        self.drain(0.0 if busy else self.config.heartbeat_s / 2)
+        """Launch a step, then do this loop's host work (send the last step's tokens and the status, take in
+        new messages) while the GPU runs it, then collect its tokens."""
         started = self.clock()
         self.load_prefetched()
-        outputs = self.step()
-        self.emit(outputs)
-        self.report(force=bool(outputs) or bool(self.finished_ids) or self.engine.has_unfinished())
-        took = self.clock() - started
-        if took > 4 * self.config.heartbeat_s:
-            # The scheduler declares a worker dead after a few silent heartbeats: say why we were silent.
-            log.warning("worker.slow_step", seconds=round(took, 3), running=len(self.engine.running),
-                        waiting=len(self.engine.waiting))
+        flight = self.engine.launch_step() if self.engine.has_unfinished() else None
+        self.emit(self.unsent)
+        self.unsent = []
+        self.report(force=bool(self.finished_ids) or self.engine.has_unfinished())
+        if flight is None:
+            self.loader.release_evicted(self.held_adapters())
+        self.drain(0.0 if flight is not None or self.pending_outputs else self.config.heartbeat_s / 2)
+        if flight is not None:
+            self.unsent = self.finish_step(flight)
+            took = self.clock() - started
+            if took > 4 * self.config.heartbeat_s:
+                # The scheduler declares a worker dead after a few silent heartbeats: say why we were silent.
+                log.warning("worker.slow_step", seconds=round(took, 3), running=len(self.engine.running),
+                            waiting=len(self.engine.waiting))
 
     def run(self) -> None:
         if self.config.ready_file:
@@ -256,6 +260,8 @@ class WorkerService:
 
     def fail_all(self, message: str) -> None:
         """One terminal error for every request this worker still holds (the engine is gone or stopping)."""
+        self.emit(self.unsent)
+        self.unsent = []
         batch = self.pending_outputs + [
             TokenOutput(rid, [], finished=True, finish_reason="error", prompt_tokens=t.prompt_tokens, error=message)
             for rid, t in self.requests.items()

@@ -127,3 +127,29 @@ def test_adapter_staged_for_an_aborted_waiting_request_is_let_go(model_dir, tmp_
     engine.abort("waits")
     engine.step()
     assert "big" not in engine.adapters.held_names
+
+
+def test_requests_added_and_aborted_while_a_step_is_in_flight(model_dir):
+    engine = engine_for(model_dir)
+    engine.add_request(EngineRequest("runs", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)))
+    engine.add_request(EngineRequest("ends", [8, 9], SamplingParams(max_tokens=1, ignore_eos=True)))
+    flight = engine.launch_step()
+    # Host work while the step runs: a new request arrives, a running one and a finishing one are aborted.
+    engine.add_request(EngineRequest("late", [10, 11], SamplingParams(max_tokens=2, ignore_eos=True)))
+    assert engine.abort("runs") and engine.abort("ends")
+    assert engine.pool.allocator.num_used > 0, "slots of the step in flight must not be freed yet"
+    outputs = engine.finish_step(flight) + drain_outputs(engine)
+    terminal = {}
+    for out in outputs:
+        if out.finished:
+            assert out.request_id not in terminal, f"{out.request_id} ended twice"
+            terminal[out.request_id] = out.finish_reason
+    assert terminal == {"runs": "abort", "ends": "length", "late": "length"}
+    assert engine.pool.allocator.num_used == 0
+
+
+def drain_outputs(engine: Engine) -> list:
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    return outputs

@@ -33,7 +33,6 @@ from shared.model_config import ModelConfig
 from ..adapter_layout import PackedAdapter, pack_adapter
 from ..engine import DTYPES, Engine
 from ..pool import UnifiedPool
-from ..requests import RequestOutput
 from ..resident_adapters import Resident, ResidentAdapters
 from .adapter_shards import shard_packed
 from .comm import TPComm, Traffic
@@ -205,11 +204,11 @@ class TPEngine(Engine):
         return packed
 
     # ---- step -----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def launch_step(self):
         self.comm.traffic.reset()
-        outputs = super().step()
+        flight = super().launch_step()
         self.total_traffic.merge(self.comm.traffic)
-        return outputs
+        return flight
 
     @property
     def last_step_traffic(self) -> Traffic:
