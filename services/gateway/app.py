@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.gateway import adapters, inference, ops
+from services.gateway import adapters, inference, openapi, ops
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.state import GatewayState
@@ -27,6 +27,7 @@ ROUTES = [
     Route("/health", ops.health, methods=["GET"]),
     Route("/ready", ops.ready, methods=["GET"]),
     Route("/metrics", ops.metrics, methods=["GET"]),
+    Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
 ]
 
 

@@ -81,7 +81,8 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
 
 def _neutral(body: dict, name: str, neutral: tuple) -> None:
     v = body.get(name)
-    if v is not None and v not in neutral:
+    # Booleans match booleans only: in Python 0 == False and True == 1, in JSON they are different values.
+    if v is not None and not any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral):
         raise bad_request(f"{name}={json.dumps(v)[:40]} is not supported by this server", name, "unsupported_parameter")
 
 

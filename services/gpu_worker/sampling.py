@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -28,7 +31,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below GREEDY_TEMPERATURE, logits / temperature overflows fp32 (a denormal becomes 0): the limit
+        # of sampling as temperature -> 0 is the argmax anyway.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def make_generator(self) -> torch.Generator | None:
         if self.greedy:
@@ -52,6 +57,7 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
         drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop every token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits
