@@ -84,6 +84,7 @@ class Outcome:
     first_token: float | None = None
     ended: float | None = None
     error: str | None = None  # transport error
+    headers: dict = field(default_factory=dict)  # of the response
 
     @property
     def terminals(self) -> list[str]:
@@ -106,15 +107,15 @@ class Outcome:
 
 
 def stream_request(url: str, payload: dict, out: Outcome, first_token: threading.Event | None = None,
-                   timeout_s: float = 120.0, cancel: threading.Event | None = None) -> None:
+                   timeout_s: float = 120.0, cancel: threading.Event | None = None, headers: dict | None = None) -> None:
     """POST a streaming completion and record everything it answers (run in a thread). Setting `cancel`
     closes the connection at the next event, which aborts the request."""
     out.started = time.monotonic()
     try:
-        with httpx.Client(base_url=url, timeout=timeout_s) as c:
+        with httpx.Client(base_url=url, timeout=timeout_s, headers=headers or {}) as c:
             payload = {"stream_options": {"include_usage": True}, **payload, "stream": True}
             with c.stream("POST", "/v1/completions", json=payload) as r:
-                out.status = r.status_code
+                out.status, out.headers = r.status_code, dict(r.headers)
                 if r.status_code != 200:
                     r.read()
                     out.body = r.json()
@@ -140,12 +141,12 @@ def stream_request(url: str, payload: dict, out: Outcome, first_token: threading
         out.ended = time.monotonic()
 
 
-def plain_request(url: str, payload: dict, out: Outcome, timeout_s: float = 120.0) -> None:
+def plain_request(url: str, payload: dict, out: Outcome, timeout_s: float = 120.0, headers: dict | None = None) -> None:
     out.started = time.monotonic()
     try:
-        with httpx.Client(base_url=url, timeout=timeout_s) as c:
+        with httpx.Client(base_url=url, timeout=timeout_s, headers=headers or {}) as c:
             r = c.post("/v1/completions", json={**payload, "stream": False})
-            out.status = r.status_code
+            out.status, out.headers = r.status_code, dict(r.headers)
             out.body = r.json()
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"
