@@ -97,3 +97,15 @@ def test_neutral_fields_take_their_json_type_only(general_stack, field, value):
     with general_stack.client() as c:
         r = c.post("/v1/completions", json={"model": "model", "prompt": [1, 5], "max_tokens": 1, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_sampling_values_below_fp32_range_do_not_crash_the_worker(general_stack):
+    """Found by the fuzzing: top_p=5e-324 compared as 0 in fp32 and masked every token, the sampler raised
+    and the worker died with every request it held. Such values are valid; they must be served."""
+    worker = general_stack.service_pids()["worker-0"]
+    with general_stack.client() as c:
+        for fields in ({"top_p": 5e-324}, {"temperature": 5e-324}, {"temperature": 1e-30, "top_p": 1e-45}):
+            r = c.post("/v1/completions", json={"model": "model", "prompt": [1, 5], "max_tokens": 2, **fields})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, (fields, r.text)
+    assert general_stack.service_pids()["worker-0"] == worker
+    assert "worker.engine_failed" not in general_stack.log()
