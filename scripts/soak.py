@@ -127,7 +127,7 @@ class Stack:
             self.extra += ["--set", item]
 
     def start(self, timeout_s: float = 300.0) -> None:
-        self.log_file = open(self.log_path, "ab")
+        self.log_file = open(self.log_path, "ab")  # noqa: SIM115 - the stack writes to it until stop()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         if self.torch_threads:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.torch_threads)
@@ -269,7 +269,7 @@ async def one_request(client: httpx.AsyncClient, load: Load, tally: Tally, drop_
             # Close the connection at a random moment: the gateway must abort the request everywhere.
             try:
                 await asyncio.wait_for(_send(client, body, stream), drop_after)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 tally.dropped += 1
                 return
         else:
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary["services"] = stack.services()
         passed = asyncio.run(run(args, stack, summary))
-    except (Exception, KeyboardInterrupt) as e:
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - whatever failed, the summary says it and the stack stops
         summary["failure"] = f"{type(e).__name__}: {e}"
     finally:
         summary["stack_exit_code"] = stack.stop()

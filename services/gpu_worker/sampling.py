@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 GREEDY_TEMPERATURE = 1e-5
 
 

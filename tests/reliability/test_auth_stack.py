@@ -9,9 +9,17 @@ import threading
 
 import pytest
 
-from tests.e2e.conftest import Stack, metric
+from tests.e2e.conftest import metric
 from tests.reliability.conftest import (
-    Outcome, body, idle_without_leaks, join_all, plain_request, start_threads, stream_request, wait_for,
+    Outcome,
+    Stack,
+    body,
+    idle_without_leaks,
+    join_all,
+    plain_request,
+    start_threads,
+    stream_request,
+    wait_for,
 )
 
 ADMIN = "adm-7f3e9c1d5b2a4e6f8091"

@@ -14,9 +14,18 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import Stack, alive, metric
+from tests.e2e.conftest import alive, metric
 from tests.reliability.conftest import (
-    Outcome, body, idle_without_leaks, join_all, plain_request, ready, start_threads, stream_request, wait_for,
+    Outcome,
+    Stack,
+    body,
+    idle_without_leaks,
+    join_all,
+    plain_request,
+    ready,
+    start_threads,
+    stream_request,
+    wait_for,
 )
 
 MAX_RUNNING = 4
@@ -86,10 +95,13 @@ def test_scheduler_sigkill_fails_requests_cleanly_and_the_worker_drops_its_orpha
     restarted(stack, "scheduler", old_pid)
     assert registrations(stack) == before
     # The new scheduler aborts what its predecessor had assigned as soon as the worker reports on it: the
-    # worker is idle again long before any of those LONG-token requests could have finished.
-    idle_without_leaks(stack, timeout_s=15)
-    assert "orphaned requests aborted on worker" in stack.log()
-    assert time.monotonic() - killed_at < 40, "the worker computed orphaned requests to the end"
+    # worker drops each of those requests (never computing them to their LONG-token end for nobody).
+    idle_without_leaks(stack, timeout_s=30)
+    log = stack.log()
+    assert "orphaned requests aborted on worker" in log
+    for out in streaming:
+        rid = out.events[0]["id"]
+        assert any("worker.aborted" in line and rid in line for line in log.splitlines()), f"{rid} was not dropped"
     with stack.client() as c:
         for model in ("model", "demo-000"):
             r = c.post("/v1/completions", json=body(3, max_tokens=5, stream=False, model=model))
@@ -127,9 +139,10 @@ def test_store_sigkill_keeps_registrations_and_requests_never_hang(stack):
     assert during[0].status == 200, "the base model does not need the store"
 
     restarted(stack, "adapter_store", old_pid)
+    assert time.monotonic() - killed_at < 60
     assert registrations(stack) == before
-    # The running adapter requests never needed the store again: still streaming, not failed.
-    assert all(out.ended is None and out.terminals == [] for out in streaming), streaming
+    # The running adapter requests never needed the store again: still streaming, or done, never failed.
+    assert all(out.terminals in ([], ["length"]) for out in streaming), streaming
     cancel.set()
     join_all(threads, 30)
     with stack.client() as c:

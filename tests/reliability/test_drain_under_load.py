@@ -11,12 +11,30 @@ import httpx
 
 from tests.e2e.conftest import descendants, wait_gone
 from tests.reliability.conftest import (
-    LONG, Outcome, body, join_all, plain_request, start_threads, stream_request, wait_for,
+    LONG,
+    Outcome,
+    body,
+    join_all,
+    plain_request,
+    start_threads,
+    stream_request,
+    wait_for,
 )
 
-DRAIN_TIMEOUT_S = 10.0
-RUNNING = 5  # streaming when SIGTERM arrives (one of them can never finish in time)
+DRAIN_TIMEOUT_S = 5.0
+RUNNING = 5  # streaming when SIGTERM arrives: 2 that finish in time, 3 that cannot (LONG tokens each)
+FINISHING = 2
 QUEUED = 3  # still in the scheduler's queue then
+RUNNING_FOR_S = 1.5  # how long the finishing requests should take
+
+
+def time_per_token(stack) -> float:
+    """Seconds per decode step with a full batch, from a timed batch of 32-token requests."""
+    outs = [Outcome() for _ in range(RUNNING)]
+    threads = start_threads(RUNNING, stream_request, lambda i: (stack.url, body(60 + i, max_tokens=32), outs[i]))
+    join_all(threads, 120)
+    assert all(o.status == 200 and o.completion_tokens == 32 for o in outs), outs
+    return max(o.ended - o.first_token for o in outs) / 31
 
 
 def test_sigterm_under_load_refuses_new_requests_finishes_in_flight_ones_and_exits(stack_factory):
@@ -25,10 +43,13 @@ def test_sigterm_under_load_refuses_new_requests_finishes_in_flight_ones_and_exi
     children = descendants(stack.proc.pid)
     assert len(children) >= 5
 
+    # Running requests long enough to be running still when SIGTERM comes, short enough to finish well
+    # inside the drain timeout on this machine: sized from a timed batch of the same shape.
+    per_token = time_per_token(stack)
+    n = max(24, min(800, int(RUNNING_FOR_S / per_token)))
     running = [Outcome() for _ in range(RUNNING)]
     first = [threading.Event() for _ in range(RUNNING)]
-    # Short enough to finish well inside the drain timeout, except the last one.
-    tokens = [24, 40, 24, 40, LONG]
+    tokens = [n, n + 8] + [LONG] * (RUNNING - FINISHING)
     models = ["model", "demo-000"] * 3
     threads = start_threads(RUNNING, stream_request,
                             lambda i: (stack.url, body(i, max_tokens=tokens[i], model=models[i]), running[i], first[i]))
@@ -59,17 +80,17 @@ def test_sigterm_under_load_refuses_new_requests_finishes_in_flight_ones_and_exi
         assert r.json()["error"]["message"] and r.headers.get("retry-after")
 
     join_all(threads, DRAIN_TIMEOUT_S + 10)
-    for out, n in zip(running[:-1] + queued, tokens[:-1] + [16] * QUEUED):
+    for out, n in zip(running[:FINISHING] + queued, tokens[:FINISHING] + [16] * QUEUED):
         assert out.error is None and out.status == 200, out
         if out.body is not None:  # a queued (non-streaming) request
             assert out.body["usage"]["completion_tokens"] == n and out.body["choices"][0]["finish_reason"] == "length"
         else:
             assert out.done and out.terminals == ["length"] and out.completion_tokens == n, out
         assert out.ended - signalled < DRAIN_TIMEOUT_S
-    # The request that could not finish: exactly one terminal answer, an error, when the drain timed out.
-    cut = running[-1]
-    assert cut.status == 200 and cut.error is None and cut.done and cut.terminals == ["error"], cut
-    assert DRAIN_TIMEOUT_S - 1 < cut.ended - signalled < DRAIN_TIMEOUT_S + 5
+    # Those that could not finish: exactly one terminal answer each, an error, when the drain timed out.
+    for cut in running[FINISHING:]:
+        assert cut.status == 200 and cut.error is None and cut.done and cut.terminals == ["error"], cut
+        assert DRAIN_TIMEOUT_S - 1 < cut.ended - signalled < DRAIN_TIMEOUT_S + 5
 
     assert stack.proc.wait(DRAIN_TIMEOUT_S + 30) == 0
     assert wait_gone(children, 10) == [], "children outlived the drain"

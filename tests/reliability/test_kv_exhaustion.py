@@ -6,7 +6,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.e2e.conftest import metric
-from tests.reliability.conftest import Outcome, idle_without_leaks, plain_request, stream_request
+from tests.reliability.conftest import (
+    Outcome,
+    idle_without_leaks,
+    plain_request,
+    stream_request,
+)
 
 # 8 requests x (5 prompt + 40 generated) tokens need 360 KV slots, plus the adapters' rows (rank 8: 88 slots,
 # rank 16: 176): far more than 240, while any one request with its adapter fits.

@@ -15,7 +15,7 @@ def test_short_soak_leaves_the_stack_as_it_found_it(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(REPO / "scripts" / "soak.py"), "--minutes", "0.75", "--capacity-s", "8",
            "--progress-s", "15", "--data-dir", str(tmp_path / "data"), "--out", str(out)]
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
     assert out.is_file(), run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert run.returncode == 0 and summary["passed"], json.dumps(summary, indent=1)[:4000] + run.stdout[-2000:]

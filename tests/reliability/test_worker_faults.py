@@ -17,7 +17,16 @@ import pytest
 
 from tests.e2e.conftest import alive, metric
 from tests.reliability.conftest import (
-    Outcome, body, idle_without_leaks, join_all, plain_request, ready, start_threads, stream_request, wait_for,
+    Outcome,
+    Stack,
+    body,
+    idle_without_leaks,
+    join_all,
+    plain_request,
+    ready,
+    start_threads,
+    stream_request,
+    wait_for,
 )
 
 HEARTBEAT_TIMEOUT_S = 3.0
@@ -29,8 +38,6 @@ QUEUED = 1  # waiting in the scheduler (the worker is full)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from tests.e2e.conftest import Stack
-
     s = Stack(tmp_path_factory.mktemp("worker-faults") / "data", "--demo-adapters", "1",
               "--heartbeat-timeout-s", f"{HEARTBEAT_TIMEOUT_S:g}",
               "--set", f"worker.max_running_requests={MAX_RUNNING}", "--set", "scheduler.first_token_slo_s=0")
