@@ -13,7 +13,6 @@ from starlette.responses import JSONResponse
 
 from services.gateway.validation import INT64, MAX_STOP_LENGTH, MAX_STOP_STRINGS, ROLES
 
-
 NAME_PATTERN = "^[a-z0-9][a-z0-9._-]{0,63}$"  # adapter_store/validation.py: names of adapters and tenants
 
 
