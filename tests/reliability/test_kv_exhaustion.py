@@ -13,11 +13,12 @@ from tests.reliability.conftest import (
     stream_request,
 )
 
-# 8 requests x (5 prompt + 40 generated) tokens need 360 KV slots, plus the adapters' rows (rank 8: 88 slots,
-# rank 16: 176): far more than 240, while any one request with its adapter fits.
+# 8 requests x (5 prompt + 120 generated) tokens need 1000 KV slots, plus the adapter's rows (rank 8: 88
+# slots): far more than 240, while any one request with its adapter fits (213). Requests last long enough
+# that they overlap even when they reach the worker spread out, so the pool must run out while they decode.
 TINY_POOL_SLOTS = 240
-MAX_TOKENS = 40
-MODELS = ["model", "demo-000", "demo-001", "model", "demo-001", "demo-000", "demo-001", "model"]
+MAX_TOKENS = 120
+MODELS = ["model", "demo-000", "model", "demo-000", "demo-000", "model", "demo-000", "model"]
 
 
 def run_all(stack) -> list[tuple[str, int]]:
