@@ -67,7 +67,6 @@ class Engine:
         self._deferred_aborts: list[str] = []
         self._order = 0
         self.num_preemptions = 0
-        self.step_count = 0
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig, **kw) -> "Engine":
@@ -161,7 +160,6 @@ class Engine:
         else:
             batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)
             logits = self.model.forward(batch, self.pool)
-        self.step_count += 1
         for seq, n in scheduled:
             seq.num_computed += n
         flight.samplers, flight.logits = samplers, logits
@@ -270,7 +268,6 @@ class Engine:
         self.running.remove(seq)
         self._release_slots(seq)
         seq.num_computed = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -291,7 +288,6 @@ class Engine:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release_slots(seq)
-        seq.finished = True
         self._by_id.pop(seq.request_id, None)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from shared.model_config import ModelConfig
 
 from .ops.meta import AttnMeta, LoraBatch
-from .ops.reference import rms_norm  # noqa: F401  (the TP model norms its inputs with it)
 from .pool import UnifiedPool
 from .rope import Rotary
 from .weights import ModelWeights

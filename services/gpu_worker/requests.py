@@ -45,8 +45,6 @@ class Sequence:
         self.num_computed = 0
         self.adapter: Resident | None = None
         self.generator = req.sampling.make_generator()
-        self.finished = False
-        self.num_preemptions = 0
 
     @property
     def request_id(self) -> str:

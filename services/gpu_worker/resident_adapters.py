@@ -60,9 +60,6 @@ class ResidentAdapters:
     def __contains__(self, name: str) -> bool:
         return name in self._by_name
 
-    def get(self, name: str) -> Resident | None:
-        return self._by_name.get(name)
-
     @property
     def names(self) -> list[str]:
         return list(self._by_name)

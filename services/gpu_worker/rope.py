@@ -34,7 +34,7 @@ def inv_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class Rotary:
-    """Cos/sin tables built once up to max positions; lookups by position ids per step."""
+    """Cos/sin tables `[max_positions, head_dim]` built once; the op backends rotate q and k with them."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
         inv_freq, attn_factor = inv_frequencies(cfg)
@@ -43,11 +43,3 @@ class Rotary:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * attn_factor).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * attn_factor).to(device=device, dtype=dtype)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x `[T, heads, head_dim]`, non-interleaved halves (the HF Llama convention)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin

@@ -45,9 +45,6 @@ class LoraBatch:
     tables: LoraTables
     token_adapter: torch.Tensor  # int32 [T]
     max_rank: tuple[int, ...]  # per module, over this step's adapters
-    # Segment form for prefill: runs of consecutive tokens that share one adapter.
-    seg_start: torch.Tensor | None = None  # int32 [S + 1]
-    seg_adapter: torch.Tensor | None = None  # int32 [S]
     # Most tokens any one adapter has in this step (known on the host at build time; None = unknown, e.g.
     # in a CUDA graph). Kernels use it to split long prefill segments; it must not be an underestimate.
     max_seg_len: int | None = None

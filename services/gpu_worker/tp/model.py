@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from ..model import DOWN, GATE_UP, O, QKV, ForwardBatch, LlamaModel, rms_norm
+from ..model import DOWN, GATE_UP, O, QKV, ForwardBatch, LlamaModel
 from ..ops.meta import LoraBatch, LoraTables
 from ..pool import UnifiedPool
 from ..weights import ModelWeights
@@ -77,41 +77,43 @@ class TPLlamaModel(LlamaModel):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor | None:
         """Logits `[N, vocab]` (fp32) on rank 0; None on the other ranks, which hold no lm_head."""
-        cfg, ops, lora, comm = self.cfg, self.ops, batch.lora, self.comm
+        cfg, ops, lora, comm, eps = self.cfg, self.ops, batch.lora, self.comm, self.cfg.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
         shrink = None
         if lora is not None:
             if hasattr(ops, "prepare_lora"):
                 ops.prepare_lora(lora)  # per-step launch hints (tokens grouped by adapter), shared by all layers
             shrink = self.shrink_tables(lora.tables)
+        layers = self.w.layers
         h = self.w.embed[batch.input_ids]
-        for i, lw in enumerate(self.w.layers):
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+        x = ops.rms_norm(h, layers[0].input_norm, eps)
+        for i, lw in enumerate(layers):
             qkv = F.linear(x, lw.qkv, lw.qkv_bias)
             if lora is not None:
                 self._column_lora(x, qkv, lora, shrink, pool, i, QKV, self.split)
             q, k, v = qkv.split(self.split, dim=-1)
-            q = self.rotary.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), batch.positions)
-            k = self.rotary.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), batch.positions)
+            q, k = ops.rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim),
+                              k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                              batch.positions, self.rotary.cos, self.rotary.sin)
             ops.write_kv(pool.k(i), pool.v(i), batch.out_slots, k.reshape(num_tokens, -1), v)
             attn = ops.attention(q, pool.k(i), pool.v(i), batch.attn, self.scale).reshape(num_tokens, -1)
             o = F.linear(attn, lw.o)
             if lora is not None:
                 self._row_lora(attn, o, lora, pool, i, O)
             comm.all_reduce(o, BASE_ALL_REDUCE)
-            h = h + o
-            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            h, x = ops.add_rms_norm(o, h, lw.post_norm, eps)
             gu = F.linear(x, lw.gate_up)
             if lora is not None:
                 self._column_lora(x, gu, lora, shrink, pool, i, GATE_UP, (self.inter, self.inter))
-            gate, up = gu.split(self.inter, dim=-1)
-            act = F.silu(gate) * up
+            act = ops.silu_mul(gu, self.inter)
             d = F.linear(act, lw.down)
             if lora is not None:
                 self._row_lora(act, d, lora, pool, i, DOWN)
             comm.all_reduce(d, BASE_ALL_REDUCE)
-            h = h + d
+            if i + 1 < len(layers):
+                h, x = ops.add_rms_norm(d, h, layers[i + 1].input_norm, eps)
         if self.w.lm_head is None:
             return None
-        h = rms_norm(h[batch.logits_index], self.w.final_norm, cfg.rms_norm_eps)
-        return F.linear(h, self.w.lm_head).float()
+        idx = batch.logits_index
+        _, x = ops.add_rms_norm(d[idx], h[idx], self.w.final_norm, eps)
+        return F.linear(x, self.w.lm_head).float()

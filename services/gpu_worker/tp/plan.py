@@ -76,7 +76,7 @@ class AdapterLoad:
 
 
 BATCH_TENSORS = ("input_ids", "positions", "out_slots", "q_start", "ctx_lens", "slot_table")
-LORA_TENSORS = ("token_adapter", "seg_start", "seg_adapter")
+LORA_TENSORS = ("token_adapter",)
 
 
 def encode_step(batch: ForwardBatch, loads: list[AdapterLoad]) -> tuple[bytes, list, list[list]]:
@@ -86,13 +86,11 @@ def encode_step(batch: ForwardBatch, loads: list[AdapterLoad]) -> tuple[bytes, l
                "q_start": attn.q_start, "ctx_lens": attn.ctx_lens, "slot_table": attn.slot_table}
     if lora is not None:
         tensors["token_adapter"] = lora.token_adapter
-        if lora.seg_start is not None:
-            tensors["seg_start"] = lora.seg_start
-            tensors["seg_adapter"] = lora.seg_adapter
     header = {
         "tensors": [[name, *tensor_meta(t)] for name, t in tensors.items()],
         "max_q_len": attn.max_q_len, "max_ctx_len": attn.max_ctx_len, "decode_only": attn.decode_only,
         "max_rank": None if lora is None else list(lora.max_rank),
+        "max_seg_len": None if lora is None else lora.max_seg_len,
         "loads": [load.header() for load in loads],
     }
     frames = [tensor_frame(t) for t in tensors.values()]
@@ -134,7 +132,7 @@ def decode_step(header_bytes, frames: list, tables: LoraTables, device: torch.de
     lora = None
     if header["max_rank"] is not None:
         lora = LoraBatch(tables=tables, token_adapter=t["token_adapter"], max_rank=tuple(header["max_rank"]),
-                         seg_start=t.get("seg_start"), seg_adapter=t.get("seg_adapter"))
+                         max_seg_len=header.get("max_seg_len"))
     batch = ForwardBatch(input_ids=t["input_ids"], positions=t["positions"], out_slots=t["out_slots"], attn=attn,
                          lora=lora, logits_index=torch.empty(0, dtype=torch.long, device=device))
     out = []
