@@ -26,7 +26,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from shared.probes import descendants, free_port, metric, rss_mb
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_MODEL = "model"
@@ -67,51 +68,6 @@ def say(*parts) -> None:
 
 
 # ---- the stack ----------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def metric(text: str, name: str, **labels) -> float | None:
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        sample, _, label_text = head.partition("{")
-        if sample != name:
-            continue
-        found = dict(item.split("=", 1) for item in label_text.rstrip("}").split(",") if item)
-        if {k: v.strip('"') for k, v in found.items()} == {k: str(v) for k, v in labels.items()}:
-            return float(value)
-    return None
-
 
 class Stack:
     def __init__(self, data_dir: Path, args: argparse.Namespace):

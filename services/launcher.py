@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import zmq
 
 from shared.log import configure_logging, get_logger
+from shared.probes import free_port
 
 from .launcher_children import Child, ChildFailed, stop_children
 from .launcher_commands import Topology, model_dir_of, service_commands
@@ -35,12 +35,6 @@ log = get_logger("launcher")
 MAX_DEATHS = 5
 CRASH_WINDOW_S = 60.0
 SUPERVISE_PERIOD_S = 0.1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def zmq_ping(addr: str, timeout_s: float = 0.5) -> bool:

@@ -26,10 +26,12 @@ def redis_executable() -> str:
     return exe
 
 
-def redis_command(redis_dir: Path, port: int) -> list[str]:
+def redis_command(redis_dir: Path, port: int, appendfsync: str = "always") -> list[str]:
+    """An embedded redis-server with the AOF on; `appendfsync always` makes a registration durable before
+    it is acknowledged (anything weaker is refused by the adapter_store unless told otherwise)."""
     return [
         redis_executable(), "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "yes",
-        "--dir", str(redis_dir), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+        "--dir", str(redis_dir), "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "",
         "--daemonize", "no", "--logfile", str(redis_dir / "redis.log"),
     ]
 

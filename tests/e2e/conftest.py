@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,48 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shared.probes import alive, descendants, free_port
+
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
 UPLOAD_CAP = 2_000_000  # bytes; the session stack's gateway and store both refuse larger uploads (413)
 MAX_QUEUE = 48
 MAX_RUNNING = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (children first), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        parents.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
@@ -150,21 +114,6 @@ class Stack:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def metric(text: str, name: str, **labels) -> float | None:
-    """Value of the sample `name{labels}` in Prometheus text output (label order does not matter), or None."""
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        sample, _, label_text = head.partition("{")
-        if sample != name:
-            continue
-        found = dict(item.split("=", 1) for item in label_text.rstrip("}").split(",") if item)
-        if {k: v.strip('"') for k, v in found.items()} == {k: str(v) for k, v in labels.items()}:
-            return float(value)
-    return None
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import MAX_QUEUE, MAX_RUNNING, metric
+from shared.probes import metric
+from tests.e2e.conftest import MAX_QUEUE, MAX_RUNNING
 
 LONG = 400  # tokens: far more than any test waits for
 

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from shared.make_adapters import make_adapters
-from tests.e2e.conftest import Stack, descendants, metric, upload, wait_gone
+from shared.probes import descendants, metric
+from tests.e2e.conftest import Stack, upload, wait_gone
 
 PROMPT = [1, 30, 31, 32, 33]
 

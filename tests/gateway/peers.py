@@ -7,7 +7,6 @@ real services exist side by side. Every message they receive is recorded for ass
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from collections import deque
 import numpy as np
 import zmq
 
+from shared.probes import free_port
 from shared.wire import (
     AbortRequest, AdapterCard, AdapterDeleted, AdapterList, AdapterRegistered, DeleteAdapter, GetAdapter,
     ListAdapters, Ping, Pong, RegisterAdapter, StoreError, SubmitRequest, TokenBatch, TokenOutput,
@@ -158,12 +158,6 @@ class FakePeers:
 def _with_call(c: AdapterCard, call_id: str) -> AdapterCard:
     copy = AdapterCard(**{**c.__dict__, "call_id": call_id})
     return copy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GatewayProcess:

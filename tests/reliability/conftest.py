@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from shared.probes import metric
 from tests.e2e.conftest import Stack as E2EStack
-from tests.e2e.conftest import metric
 
 
 class Stack(E2EStack):

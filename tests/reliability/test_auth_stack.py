@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from tests.e2e.conftest import metric
+from shared.probes import metric
 from tests.reliability.conftest import (
     Outcome,
     Stack,

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import metric
+from shared.probes import metric
 from tests.reliability.conftest import (
     GENERAL_MAX_RUNNING,
     Outcome,

@@ -9,7 +9,8 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import descendants, wait_gone
+from shared.probes import descendants
+from tests.e2e.conftest import wait_gone
 from tests.reliability.conftest import (
     LONG,
     Outcome,

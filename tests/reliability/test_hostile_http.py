@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from shared.make_adapters import make_adapters
+from shared.probes import rss_mb
 from tests.e2e.conftest import REPO
 from tests.reliability.conftest import GENERAL_UPLOAD_CAP
 
@@ -35,13 +36,6 @@ def multipart(config: bytes, weights: bytes, name: str = f"{MARK}-x", weights_fi
     return {"data": {"name": name},
             "files": {"adapter_config": ("adapter_config.json", config, "application/json"),
                       "adapter_model": (weights_filename, weights, "application/octet-stream")}}
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def marked_files() -> list[str]:

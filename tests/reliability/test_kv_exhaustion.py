@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.e2e.conftest import metric
+from shared.probes import metric
 from tests.reliability.conftest import (
     Outcome,
     idle_without_leaks,

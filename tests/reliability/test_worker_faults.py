@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import alive, metric
+from shared.probes import alive, metric
 from tests.reliability.conftest import (
     Outcome,
     Stack,

@@ -1,0 +1,65 @@
+"""Looking at a running stack from outside it: free ports, the process tree under a supervisor, a process's
+memory, and one sample of a Prometheus exposition. The launcher, the soak script and the tests use these."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (which may itself hold spaces and parentheses)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, parents before their children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat_fields(entry)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped counts as gone)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def rss_mb(pid: int) -> float | None:
+    """Resident memory in MiB, or None if the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def metric(text: str, name: str, **labels) -> float | None:
+    """Value of the sample `name{labels}` (labels matched exactly, in any order) in Prometheus text, or None."""
+    wanted = {k: str(v) for k, v in labels.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == wanted:
+                return sample.value
+    return None
