@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from services.gateway.peer import DealerPeer
 from shared.log import get_logger
 from shared.wire import (
     AbortRequest, Ping, Pong, RequestRejected, SubmitRequest, TokenBatch, TokenOutput, WireError, WorkerStatus,
@@ -40,35 +41,22 @@ class SchedulerLost(Exception):
     pass
 
 
-class SchedulerClient:
+class SchedulerClient(DealerPeer):
+    name = "scheduler"
+
     def __init__(self, address: str, ctx: zmq.asyncio.Context, ping_interval_s: float = 0.5,
                  lost_after_s: float = 3.0):
-        self.address = address
-        self.ctx = ctx
+        super().__init__(address, ctx, identity=f"gateway-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.ping_interval_s = ping_interval_s
         self.lost_after_s = lost_after_s
         self.log = get_logger("gateway.scheduler_client")
-        self.gateway_id = f"gateway-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.sock = None
         self.streams: dict[str, asyncio.Queue] = {}
         self.view = SchedulerView()
         self.scheduler_pid: int | None = None
-        self._tasks: list[asyncio.Task] = []
 
-    async def start(self) -> None:
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, self.gateway_id.encode())
-        self.sock.connect(self.address)
-        self._tasks = [asyncio.create_task(self._read(), name="scheduler-reader"),
-                       asyncio.create_task(self._ping(), name="scheduler-ping")]
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.sock is not None:
-            self.sock.close(0)
+    @property
+    def gateway_id(self) -> str:
+        return self.identity
 
     # ---- requests --------------------------------------------------------------------------------
 

@@ -14,38 +14,24 @@ import zmq
 import zmq.asyncio
 
 from services.gateway.errors import ApiError
+from services.gateway.peer import DealerPeer
 from shared.log import get_logger
 from shared.wire import Message, Ping, Pong, StoreError, WireError, decode, encode
 
 
-class StoreClient:
+class StoreClient(DealerPeer):
+    name = "store"
+
     def __init__(self, address: str, ctx: zmq.asyncio.Context, timeout_s: float = 30.0, ping_interval_s: float = 1.0):
-        self.address = address
-        self.ctx = ctx
+        super().__init__(address, ctx)
         self.timeout_s = timeout_s
         self.ping_interval_s = ping_interval_s
         self.log = get_logger("gateway.store_client")
-        self.sock = None
         self.pending: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._prefix = f"gw{os.getpid()}-"
         self.pong: Pong | None = None
         self.pong_at = 0.0
-        self._tasks: list[asyncio.Task] = []
-
-    async def start(self) -> None:
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(self.address)
-        self._tasks = [asyncio.create_task(self._read(), name="store-reader"),
-                       asyncio.create_task(self._ping(), name="store-ping")]
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.sock is not None:
-            self.sock.close(0)
 
     def fresh(self, within_s: float) -> bool:
         return self.pong is not None and time.monotonic() - self.pong_at <= within_s
