@@ -208,19 +208,19 @@ class Engine:
         budget = self.config.max_batched_tokens
         alloc = self.pool.allocator
         scheduled: list[tuple[Sequence, int]] = []
-        for seq in list(self.running):
-            if seq not in self.running or budget == 0:
-                continue  # preempted earlier in this loop, or no token budget left this step
+        # Oldest first; preemption pops the newest off the end, so the loop simply ends sooner.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
             n = min(seq.remaining, budget)
-            while not alloc.can_allocate(n) and not self.adapters.evict_until(n):
-                self._preempt(self.running[-1])
-                if seq not in self.running:
-                    break
-            if seq not in self.running:
-                continue
+            while not alloc.can_allocate(n) and not self.adapters.evict_until(n) and i < len(self.running):
+                self._preempt_newest()
+            if i == len(self.running):
+                break  # seq itself was the newest and is now back in the waiting queue
             self._give_slots(seq, n)
             scheduled.append((seq, n))
             budget -= n
+            i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             seq = self.waiting[0]
             n = min(seq.remaining, budget)
@@ -262,10 +262,10 @@ class Engine:
         self.page_table.append(seq.row, len(seq.slots), new)
         seq.slots += new
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Free a running request's KV and queue it first in line; it is recomputed when readmitted."""
+    def _preempt_newest(self) -> None:
+        """Free the newest running request's KV and queue it first in line; it is recomputed when readmitted."""
+        seq = self.running.pop()
         log.debug("engine.preempt", request_id=seq.request_id, tokens=len(seq.tokens))
-        self.running.remove(seq)
         self._release_slots(seq)
         seq.num_computed = 0
         self.num_preemptions += 1
