@@ -13,6 +13,8 @@ def doc_field(text: str, default):
 
 _doc = doc_field
 
+LORA_MODES = ("unified", "bmm", "merge")
+
 
 @dataclass
 class EngineConfig:
@@ -30,6 +32,22 @@ class EngineConfig:
     seed: int = _doc("seed for dummy weights", 0)
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
     cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)
+    lora_mode: str = _doc("how adapters are applied: unified (paged pool kernels), bmm (baseline: rows copied to "
+                          "buffers padded to the batch's max rank, torch.bmm) or merge (baseline: one adapter per "
+                          "batch, merged into the base weights)", "unified")
+    adapter_pool_slots: int = _doc("0 = one unified pool; N > 0 = baseline with N slots reserved for adapter rows and "
+                                   "the rest for KV, neither using the other's", 0)
+
+    def __post_init__(self) -> None:
+        if self.lora_mode not in LORA_MODES:
+            raise ValueError(f"lora_mode must be one of {', '.join(LORA_MODES)}, got {self.lora_mode!r}")
+        if isinstance(self.adapter_pool_slots, bool) or not isinstance(self.adapter_pool_slots, int):
+            raise ValueError(f"adapter_pool_slots must be an integer, got {self.adapter_pool_slots!r}")
+        if self.adapter_pool_slots < 0:
+            raise ValueError(f"adapter_pool_slots must be >= 0 (0 = unified pool), got {self.adapter_pool_slots}")
+        if self.num_slots and self.adapter_pool_slots >= self.num_slots:
+            raise ValueError(f"adapter_pool_slots ({self.adapter_pool_slots}) must leave KV slots: it has to be "
+                             f"less than num_slots ({self.num_slots})")
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

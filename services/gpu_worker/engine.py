@@ -22,6 +22,7 @@ from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
 from .cuda_graphs import DecodeGraphs
+from .merge_mode import MergeMode
 from .model import LlamaModel
 from .ops import select_backend
 from .page_table import PageTable
@@ -47,15 +48,18 @@ class Engine:
             # Within the window, full causal attention is exactly sliding-window attention; beyond it the
             # kernels would attend too far back, so the context stops at the window.
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
-        self.ops = select_backend(self.device, backend)
+        self.ops = select_backend(self.device, backend, config.lora_mode)
         self.model = LlamaModel(cfg, weights, self.ops, self.max_model_len)
         num_slots = config.num_slots or self._slots_from_memory()
-        self.pool = UnifiedPool(cfg.num_layers, num_slots, cfg.kv_dim, self.dtype, self.device)
+        self.pool = UnifiedPool(cfg.num_layers, num_slots, cfg.kv_dim, self.dtype, self.device,
+                                adapter_slots=config.adapter_pool_slots)
         self._local_adapters: dict[str, PackedAdapter] = {}
         self.copier = SideStreamCopier(self.pool) if self.device.type == "cuda" else None
         self.adapters = ResidentAdapters(self.pool, cfg, config.max_resident_adapters, config.max_lora_rank,
                                          adapter_loader or self._local_adapters.__getitem__,
                                          copy_rows=self.copier.copy if self.copier else None)
+        # The merge baseline: adapters merged into the base weights, one per batch (merge_mode.py).
+        self.merge = MergeMode(self, weights) if config.lora_mode == "merge" else None
         # One spare page-table row (and slot) for the padding rows of graph-replayed decode steps.
         self.page_table = PageTable(config.max_running_requests + 1, self.max_model_len, self.device)
         self.graphs = self._decode_graphs() if self.device.type == "cuda" and config.cuda_graphs else None
@@ -112,8 +116,8 @@ class Engine:
         total = len(req.prompt_ids) + req.sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the context length {self.max_model_len}")
-        if total > self.pool.num_slots:
-            raise ValueError(f"prompt + max_tokens ({total}) cannot fit in the pool ({self.pool.num_slots} slots)")
+        if total > self.pool.allocator.num_slots:
+            raise ValueError(f"prompt + max_tokens ({total}) cannot fit in the pool ({self.pool.allocator.num_slots} KV slots)")
         bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.cfg.vocab_size})")
@@ -221,10 +225,16 @@ class Engine:
             scheduled.append((seq, n))
             budget -= n
             i += 1
+        if self.merge is not None:
+            self.merge.before_admission()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             seq = self.waiting[0]
             n = min(seq.remaining, budget)
             name = seq.req.adapter
+            if self.merge is not None:
+                if not self.merge.admits(seq):
+                    break
+                name = None  # its adapter is merged into the weights: it runs as a base-model request
             try:
                 need = n + (self.adapters.slots_to_load(name) if name else 0)
             except (KeyError, ValueError) as exc:
@@ -300,13 +310,13 @@ class Engine:
 
     # ---- reporting ------------------------------------------------------------------------------
     def capacity(self) -> dict:
-        alloc = self.pool.allocator
+        pool = self.pool
         adapter_slots = self.adapters.slots_in_use
         return {
-            "total_slots": alloc.num_slots,
-            "free_slots": alloc.num_free,
+            "total_slots": pool.num_slots,
+            "free_slots": pool.num_free,
             "adapter_slots": adapter_slots,
-            "kv_slots": alloc.num_used - adapter_slots,
+            "kv_slots": pool.num_used - adapter_slots,
             "running": len(self.running),
             "waiting": len(self.waiting),
             "resident_adapters": self.adapters.names,

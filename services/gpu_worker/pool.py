@@ -3,6 +3,9 @@
 A slot id names the same row in every layer's K and V buffer. A token's K and V for all layers take
 one slot; an adapter takes `n_slots` slots holding its A rows (in K buffers) and Bᵀ rows (in V
 buffers). Because both kinds draw from one free list, KV and adapters trade memory freely.
+
+The no-unify baseline (S-LoRA-no-unify-mem) splits the same buffers instead: slots 0 .. adapter_slots-1
+form the adapter allocator, the rest the KV allocator, and neither may take the other's slots.
 """
 from __future__ import annotations
 
@@ -15,13 +18,15 @@ class SlotAllocator:
     """O(1) free list of slot ids. Slots come out in FIFO order of their release (oldest free first),
     so behaviour is deterministic and testable with exact ids."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, first_slot: int = 0):
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
-        # One byte per slot catches double frees and frees of foreign ids without scanning the list.
-        self._in_use = bytearray(num_slots)
+        self.first_slot = first_slot
+        self._free: deque[int] = deque(range(first_slot, first_slot + num_slots))
+        # One byte per slot id up to the range's end catches double frees and frees of foreign ids (those of
+        # another allocator's range included) without scanning the list.
+        self._in_use = bytearray(first_slot + num_slots)
 
     @property
     def num_free(self) -> int:
@@ -47,16 +52,23 @@ class SlotAllocator:
     def free(self, slots: list[int]) -> None:
         in_use = self._in_use
         for s in slots:
-            if not in_use[s]:
+            if not (self.first_slot <= s < len(in_use) and in_use[s]):
                 raise RuntimeError(f"slot {s} freed while not in use")
             in_use[s] = 0
         self._free.extend(slots)
 
 
 class UnifiedPool:
-    """Per layer a K buffer and a V buffer of `[num_slots, slot_width]`, slot_width = kv heads × head dim."""
+    """Per layer a K buffer and a V buffer of `[num_slots, slot_width]`, slot_width = kv heads × head dim.
 
-    def __init__(self, num_layers: int, num_slots: int, slot_width: int, dtype: torch.dtype, device: str | torch.device):
+    `allocator` hands out KV slots, `adapter_allocator` adapter slots: the same free list in the unified
+    pool, two disjoint ranges when `adapter_slots` > 0 (the no-unify baseline)."""
+
+    def __init__(self, num_layers: int, num_slots: int, slot_width: int, dtype: torch.dtype, device: str | torch.device,
+                 adapter_slots: int = 0):
+        if not 0 <= adapter_slots < num_slots:
+            raise ValueError(f"adapter_slots ({adapter_slots}) must be >= 0 and leave KV slots: less than "
+                             f"num_slots ({num_slots})")
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.slot_width = slot_width
@@ -64,7 +76,27 @@ class UnifiedPool:
         self.device = torch.device(device)
         # [layer, K|V, slot, width]: one allocation, so a slot's rows for all layers are one strided view.
         self.kv = torch.zeros(num_layers, 2, num_slots, slot_width, dtype=dtype, device=self.device)
-        self.allocator = SlotAllocator(num_slots)
+        self.adapter_slots = adapter_slots
+        if adapter_slots:
+            self.adapter_allocator = SlotAllocator(adapter_slots)
+            self.allocator = SlotAllocator(num_slots - adapter_slots, first_slot=adapter_slots)
+        else:
+            self.allocator = self.adapter_allocator = SlotAllocator(num_slots)
+
+    @property
+    def unified(self) -> bool:
+        return self.allocator is self.adapter_allocator
+
+    @property
+    def num_free(self) -> int:
+        """Free slots of both kinds (each counted once in the unified pool)."""
+        if self.unified:
+            return self.allocator.num_free
+        return self.allocator.num_free + self.adapter_allocator.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - self.num_free
 
     def k(self, layer: int) -> torch.Tensor:
         return self.kv[layer, 0]

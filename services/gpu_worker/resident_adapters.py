@@ -2,7 +2,8 @@
 
 An adapter is copied into the pool when a request first needs it and stays after its last request ends,
 as long as nobody needs the slots; unused adapters are evicted least-recently-used first, before any
-request is preempted for KV space.
+request is preempted for KV space. In the no-unify baseline adapters live in their own slot range: evicting
+them makes room for other adapters only, never for KV.
 """
 from __future__ import annotations
 
@@ -88,12 +89,29 @@ class ResidentAdapters:
             return 0
         if name not in self._staged:
             self._staged[name] = self.loader(name)
-        return self._staged[name].n_slots
+        need = self._staged[name].n_slots
+        self._check_fits(name, need)
+        return need
+
+    def _check_fits(self, name: str, need: int) -> None:
+        if need > self.max_slots:
+            raise AdapterTooLarge(f"adapter {name!r} needs {need} slots, more than max_lora_rank allows ({self.max_slots})")
+        if not self.pool.unified and need > self.pool.adapter_allocator.num_slots:
+            raise AdapterTooLarge(f"adapter {name!r} needs {need} slots; the adapter pool has "
+                                  f"{self.pool.adapter_allocator.num_slots} (adapter_pool_slots)")
 
     def can_make_room(self, slots: int, keep: str | None = None) -> bool:
-        """Whether `slots` slots can be freed up by evicting unused adapters (other than `keep`)."""
+        """Whether `slots` slots (KV, plus `keep`'s rows when it is not resident yet, as `slots_to_load`
+        counts them) can be freed up by evicting unused adapters other than `keep`, and `keep` can get a
+        table row."""
         spare = self.unused_slots - (len(self._by_name[keep].slots) if keep in self._unused else 0)
-        return self.pool.allocator.num_free + spare >= slots
+        if keep is not None and keep not in self._by_name and not self._free_ids and not self._unused:
+            return False  # every table row is held by a running request's adapter
+        if self.pool.unified:
+            return self.pool.allocator.num_free + spare >= slots
+        adapter_need = self.slots_to_load(keep) if keep is not None else 0
+        return (self.pool.allocator.can_allocate(slots - adapter_need)
+                and self.pool.adapter_allocator.num_free + spare >= adapter_need)
 
     def acquire(self, name: str) -> Resident | None:
         """Pin an adapter in the pool, loading it if needed. None when slots are short even after
@@ -102,11 +120,10 @@ class ResidentAdapters:
         if res is None:
             packed = self._staged.pop(name, None) or self.loader(name)
             need = packed.n_slots
-            if need > self.max_slots:
-                raise AdapterTooLarge(f"adapter {name!r} needs {need} slots, more than max_lora_rank allows ({self.max_slots})")
-            if not self.evict_until(need, need_id=True):
+            self._check_fits(name, need)
+            if not self._evict_for_adapter(need):
                 return None
-            slots = self.pool.allocator.allocate(need)
+            slots = self.pool.adapter_allocator.allocate(need)
             rid = self._free_ids.pop()
             self.copy_rows(torch.tensor(slots, dtype=torch.long, device=self.pool.device), packed)
             t = self.tables
@@ -128,10 +145,20 @@ class ResidentAdapters:
         if res.refcount == 0:
             self._unused[name] = None
 
-    def evict_until(self, free_slots: int, need_id: bool = False) -> bool:
-        """Evict unused adapters (LRU first) until `free_slots` slots (and a table row, if asked) are free."""
-        alloc = self.pool.allocator
-        while not alloc.can_allocate(free_slots) or (need_id and not self._free_ids):
+    def evict_until(self, free_slots: int) -> bool:
+        """Evict unused adapters (LRU first) until `free_slots` KV slots are free. With a separate adapter
+        pool evicting frees no KV slot, so nothing is evicted."""
+        if not self.pool.unified:
+            return self.pool.allocator.can_allocate(free_slots)
+        return self._evict_while(lambda: not self.pool.allocator.can_allocate(free_slots))
+
+    def _evict_for_adapter(self, need: int) -> bool:
+        """Evict unused adapters (LRU first) until `need` adapter slots and a table row are free."""
+        alloc = self.pool.adapter_allocator
+        return self._evict_while(lambda: not alloc.can_allocate(need) or not self._free_ids)
+
+    def _evict_while(self, short: Callable[[], bool]) -> bool:
+        while short():
             if not self._unused:
                 return False
             self._evict(next(iter(self._unused)))
@@ -147,6 +174,6 @@ class ResidentAdapters:
     def _evict(self, name: str) -> None:
         del self._unused[name]
         res = self._by_name.pop(name)
-        self.pool.allocator.free(res.slots)
+        self.pool.adapter_allocator.free(res.slots)
         self.tables.ranks[res.resident_id] = 0
         self._free_ids.append(res.resident_id)
