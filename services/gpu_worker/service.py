@@ -145,7 +145,7 @@ class WorkerService:
         """Copy prefetched adapters the store has handed out into the GPU pool while there is plenty of
         room, so the requests that follow find them resident; never evicts anything for a guess."""
         engine = self.engine
-        alloc = engine.pool.allocator
+        alloc = engine.pool.adapter_allocator  # the KV allocator too, unless the pool is split (no-unify)
         for adapter in self.loader.collect():
             if adapter in engine.adapters:
                 continue

@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, EngineConfi
     values = vars(parser.parse_args(argv))
     worker_keys = {f.name for f in fields(WorkerConfig)}
     worker = WorkerConfig(**{k: v for k, v in values.items() if k in worker_keys})
-    engine = EngineConfig(**{k: v for k, v in values.items() if k not in worker_keys})
     try:
+        engine = EngineConfig(**{k: v for k, v in values.items() if k not in worker_keys})
         worker.validate()
     except ValueError as e:
         parser.error(str(e))
