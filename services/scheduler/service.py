@@ -400,7 +400,8 @@ class Scheduler:
 
     def _schedule(self, now: float) -> None:
         cfg = self.config
-        overloaded = self.rates.overloaded(now)
+        # S-LoRA's switch: newest first while overloaded; a fixed order only for comparing policies.
+        overloaded = self.rates.overloaded(now) if cfg.queue_order == "auto" else cfg.queue_order == "lcfs"
         views = [w.view(cfg.worker_max_running) for w in self.workers.values()]
         if self.queue and any(v.ready and v.free_requests > 0 for v in views):
             window = list(islice(service_order(self.queue, overloaded, self.in_service), cfg.lookahead))
