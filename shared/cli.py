@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-adapters": ("shared.make_adapters:main", "write N random PEFT LoRA adapters for a base model"),
     "up": ("services.launcher:main", "start every service in the foreground (embedded default with no arguments)"),
     "adapters": ("shared.adapters_client:main", "add, list or remove adapters on a running server"),
+    "status": ("shared.status_cli:main", "summarize a running server: traffic, latency, workers, pool, adapters per tier"),
 }
 
 
