@@ -4,20 +4,23 @@
 few at a time, with a progress bar on stderr when there is more than one; `--server-path` registers folders
 that already lie under the server's allow-listed root instead of uploading them. The server answers 201 for
 a new adapter, 200 when the same name and content were already there, 409 for the same name with other
-content; any failure is reported per adapter and makes the exit status 1.
+content. A bad adapter does not stop the others: each failure is printed as it happens, naming the file and
+the problem (the server's own message), and the exit status is 2 when a PATH was not an adapter folder at
+all, else 1 when any adapter failed, else 0.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 DEFAULT_URL = "http://127.0.0.1:8000"
+# The server names the part of an upload it refused by its form field; the user knows it by its file.
+FIELD_FILES = {"adapter_config": CONFIG_FILE, "adapter_model": WEIGHTS_FILE}
 
 
 def error_message(response) -> str:
@@ -28,79 +31,102 @@ def error_message(response) -> str:
         return response.text.strip()[:500] or f"HTTP {response.status_code}"
 
 
-class Progress:
-    """`[#####.....] 12/40 adapter-011` redrawn in place on a terminal, one line per step otherwise."""
-
-    def __init__(self, total: int, stream=sys.stderr, width: int = 30):
-        self.total = total
-        self.done = 0
-        self.stream = stream
-        self.width = width
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
-        self.lock = threading.Lock()
-
-    def step(self, label: str) -> None:
-        with self.lock:
-            self.done += 1
-            filled = self.width * self.done // max(1, self.total)
-            line = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {label}"
-            self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
-            if self.tty and self.done == self.total:
-                self.stream.write("\n")
-            self.stream.flush()
+def error_param(response) -> str | None:
+    try:
+        return response.json()["error"]["param"]
+    except Exception:
+        return None
 
 
-def upload(client, folder: Path, name: str) -> tuple[int, dict | str]:
-    files = {
-        "adapter_config": (CONFIG_FILE, (folder / CONFIG_FILE).read_bytes(), "application/json"),
-        "adapter_model": (WEIGHTS_FILE, (folder / WEIGHTS_FILE).read_bytes(), "application/octet-stream"),
-    }
+class Failure(Exception):
+    """One adapter that could not be added: where the problem is (a file, or the folder) and what it is."""
+
+    def __init__(self, where: str, problem: str, local: bool = False):
+        super().__init__(f"{where}: {problem}")
+        self.local = local  # the PATH is not an adapter folder: nothing was sent
+
+
+def upload(client, folder: Path, name: str) -> tuple[int, dict]:
+    files = {}
+    for field, file_name in FIELD_FILES.items():
+        path = folder / file_name
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise Failure(str(path), e.strerror or str(e)) from None
+        files[field] = (file_name, data, "application/json" if field == "adapter_config" else "application/octet-stream")
     r = client.post("/v1/adapters", data={"name": name}, files=files)
-    return r.status_code, (r.json() if r.status_code in (200, 201) else error_message(r))
+    if r.status_code in (200, 201):
+        return r.status_code, r.json()
+    file_name = FIELD_FILES.get(error_param(r) or "")
+    raise Failure(str(folder / file_name) if file_name else str(folder), f"{r.status_code} {error_message(r)}")
 
 
-def register_path(client, path: str, name: str) -> tuple[int, dict | str]:
+def register_path(client, path: str, name: str) -> tuple[int, dict]:
     r = client.post("/v1/adapters", json={"name": name, "path": path})
-    return r.status_code, (r.json() if r.status_code in (200, 201) else error_message(r))
+    if r.status_code in (200, 201):
+        return r.status_code, r.json()
+    raise Failure(f"{path} (on the server)", f"{r.status_code} {error_message(r)}")
+
+
+def not_an_adapter_folder(folder: Path) -> Failure | None:
+    if not folder.is_dir():
+        return Failure(str(folder), "not an adapter folder (no such folder)", local=True)
+    missing = [str(folder / f) for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
+    if missing:
+        return Failure(str(folder), f"not an adapter folder ({' and '.join(missing)} missing)", local=True)
+    return None
 
 
 def cmd_add(client, args, out, err) -> int:
+    from tqdm import tqdm
+
     if args.name and len(args.paths) > 1:
         err.write("--name applies to one adapter; give one PATH or let names come from folder names\n")
         return 2
-    jobs = []
-    for raw in args.paths:
-        name = args.name or Path(raw.rstrip("/")).name
-        if not args.server_path:
-            folder = Path(raw)
-            missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
-            if missing:
-                err.write(f"{raw}: not an adapter folder (missing {', '.join(missing)})\n")
-                return 2
-        jobs.append((raw, name))
-    progress = Progress(len(jobs), err) if len(jobs) > 1 else None
+    if args.jobs < 1:
+        err.write("--jobs must be at least 1\n")
+        return 2
+    jobs = [(raw, args.name or Path(raw.rstrip("/")).name) for raw in args.paths]
 
-    def one(job):
+    def one(job) -> tuple[int, dict]:
         raw, name = job
-        try:
-            result = register_path(client, raw, name) if args.server_path else upload(client, Path(raw), name)
-        except Exception as e:  # connection refused, timeout: reported per adapter
-            result = (0, f"{type(e).__name__}: {e}")
-        if progress is not None:
-            progress.step(name)
-        return name, result
+        if args.server_path:
+            return register_path(client, raw, name)
+        problem = not_an_adapter_folder(Path(raw))
+        if problem is not None:
+            raise problem
+        return upload(client, Path(raw), name)
 
-    failed = 0
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(one, jobs))
-    for name, (status, body) in results:
-        if status in (200, 201):
-            what = "added" if status == 201 else "unchanged"
-            out.write(f"{what:9} {name}  rank={body.get('rank')}  sha256={str(body.get('sha256', ''))[:12]}\n")
-        else:
-            failed += 1
-            err.write(f"failed    {name}: {status or 'no answer'} {body}\n")
-    return 1 if failed else 0
+    counts = {"added": 0, "unchanged": 0, "failed": 0}
+    local_failures = 0
+    bar = tqdm(total=len(jobs), file=err, unit="adapter", disable=len(jobs) < 2, dynamic_ncols=True, desc="adding")
+    with bar, ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(one, job): job for job in jobs}
+        for future in as_completed(futures):
+            raw, name = futures[future]
+            try:
+                status, card = future.result()
+            except Failure as e:
+                counts["failed"] += 1
+                local_failures += e.local
+                bar.write(f"failed    {name}: {e}", file=err)
+            except Exception as e:  # connection refused, timeout: reported per adapter
+                counts["failed"] += 1
+                bar.write(f"failed    {name}: {raw}: no answer from the server ({type(e).__name__}: {e})", file=err)
+            else:
+                what = "added" if status == 201 else "unchanged"
+                counts[what] += 1
+                bar.write(f"{what:9} {name}  rank={card.get('rank')}  sha256={str(card.get('sha256', ''))[:12]}", file=out)
+            if counts["failed"]:
+                bar.set_postfix(failed=counts["failed"], refresh=False)
+            bar.update(1)
+    if len(jobs) > 1:
+        err.write(f"{counts['added']} added, {counts['unchanged']} unchanged, {counts['failed']} failed "
+                  f"of {len(jobs)}\n")
+    if local_failures:
+        return 2
+    return 1 if counts["failed"] else 0
 
 
 def cmd_ls(client, args, out, err) -> int:

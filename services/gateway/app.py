@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -9,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.gateway import adapters, inference, openapi, ops
+from services.gateway import adapters, dashboard, inference, openapi, ops, status
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.state import GatewayState
@@ -28,6 +29,10 @@ ROUTES = [
     Route("/ready", ops.ready, methods=["GET"]),
     Route("/metrics", ops.metrics, methods=["GET"]),
     Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
+    Route("/v1/status", status.status, methods=["GET"]),
+    Route("/dashboard", dashboard.dashboard_page, methods=["GET"]),
+    Route("/dashboard/adapters", dashboard.adapters_page, methods=["GET"]),
+    Route("/static/{name}", dashboard.asset, methods=["GET"]),
 ]
 
 
@@ -48,16 +53,21 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 def build_app(config: GatewayConfig, state: GatewayState | None = None) -> Starlette:
     state = state or GatewayState(config)
+    sampler = status.StatusSampler(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await state.start()
+        sampler.start()
         try:
             yield
         finally:
+            await sampler.close()
             await state.close()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, ApiError: _api_error, Exception: _unexpected})
     app.state.gateway = state
+    app.state.status_sampler = sampler
+    app.state.started_at = time.monotonic()
     return app

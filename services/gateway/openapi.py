@@ -11,6 +11,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from services.gateway.status import HISTORY_POINTS, status_schema
 from services.gateway.validation import INT64, MAX_STOP_LENGTH, MAX_STOP_STRINGS, ROLES
 
 NAME_PATTERN = "^[a-z0-9][a-z0-9._-]{0,63}$"  # adapter_store/validation.py: names of adapters and tenants
@@ -192,6 +193,7 @@ def _schemas(state) -> dict:
                         "description": "one server-sent event: data is a JSON chunk (a completion chunk, the usage "
                                        "chunk, or {\"error\": ...}) or the final [DONE]",
                         "properties": {"data": {"type": "string"}, "event": {"type": "string"}}},
+        "Status": status_schema(),
         "Readiness": {"type": "object", "required": ["status", "checks"],
                       "properties": {"status": {"enum": ["ready", "not ready"]},
                                      "checks": {"type": "object", "additionalProperties": {"type": "boolean"}}}},
@@ -230,6 +232,7 @@ def document(state) -> dict:
                                     "path": {"type": "string", "minLength": 1,
                                              "description": "a folder under the server's allowed root"}}}
     text_ok = {"description": "done", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    html = {"description": "the page", "content": {"text/html": {"schema": {"type": "string"}}}}
     card = {"content": _json(_ref("AdapterCard"))}
     return {
         "openapi": "3.1.0",
@@ -293,6 +296,26 @@ def document(state) -> dict:
             "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
                                  "responses": {"200": {"description": "text exposition format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/v1/status": {"get": {
+                "summary": "workers, queue, pool slots, adapters per tier, rates and latencies in one document "
+                           "(admin; what the dashboard and `loraplex status` show)",
+                "parameters": [{"name": "history", "in": "query", "required": False,
+                                "schema": {"type": "integer", "minimum": 0, "maximum": HISTORY_POINTS, "default": 0},
+                                "description": "seconds of one-per-second chart points to include in series"}],
+                "responses": {"200": {"description": "the status", "content": _json(_ref("Status"))},
+                              **_errors(400, 401, 403)}}},
+            "/dashboard": {"get": {"summary": "the live dashboard (HTML; reads /v1/status)", "security": [],
+                                   "responses": {"200": html}}},
+            "/dashboard/adapters": {"get": {"summary": "the adapters page (HTML; search, cards, upload, delete)",
+                                            "security": [], "responses": {"200": html}}},
+            "/static/{name}": {"get": {
+                "summary": "a script, style sheet or icon of the pages", "security": [],
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the file", "content": {
+                                  "text/javascript": {"schema": {"type": "string"}},
+                                  "text/css": {"schema": {"type": "string"}},
+                                  "image/svg+xml": {"schema": {"type": "string"}}}},
+                              **_errors(404)}}},
             "/openapi.json": {"get": {"summary": "this document", "security": [],
                                       "responses": {"200": {"description": "OpenAPI 3.1",
                                                             "content": _json({"type": "object"})}}}},

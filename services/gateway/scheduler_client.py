@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import zmq
@@ -53,6 +54,9 @@ class SchedulerClient(DealerPeer):
         self.streams: dict[str, asyncio.Queue] = {}
         self.view = SchedulerView()
         self.scheduler_pid: int | None = None
+        # Per adapter id ("" = the base model): requests submitted, and the adapter of each open stream (/v1/status).
+        self.submitted: Counter[str] = Counter()
+        self.adapter_of: dict[str, str] = {}
 
     @property
     def gateway_id(self) -> str:
@@ -68,10 +72,13 @@ class SchedulerClient(DealerPeer):
 
     def forget(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
+        self.adapter_of.pop(request_id, None)
 
     def submit(self, request: SubmitRequest) -> None:
         request.gateway_id = self.gateway_id
         self._send(request)
+        self.submitted[request.adapter or ""] += 1
+        self.adapter_of[request.request_id] = request.adapter or ""
 
     def abort(self, request_id: str, reason: str) -> None:
         """Fire and forget, callable from cleanup code that may itself be cancelled."""

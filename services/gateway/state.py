@@ -42,6 +42,7 @@ class GatewayState:
         self.store = StoreClient(config.store_addr, self.ctx, config.store_timeout_s, config.ping_interval_s)
         self.tiers = {"gpu": 0, "host": 0, "disk": 0}
         self.tiers_at = 0.0
+        self.ready_cards: list[AdapterCard] = []  # the listing behind `tiers` (/v1/status names them)
         self.metrics = GatewayMetrics(self.scheduler.view, lambda: self.tiers, lambda: self.store.pong)
         self.draining = False
         self.inflight = 0  # inference requests between validation and their last byte
@@ -117,7 +118,7 @@ class GatewayState:
         return "host" if card.host_resident else "disk"
 
     async def refresh_tiers(self) -> None:
-        """Adapter counts per tier for /metrics; keeps the last figures if the store does not answer."""
+        """Adapter counts per tier for /metrics and /v1/status; keeps the last figures if the store does not answer."""
         if time.monotonic() - self.tiers_at < TIERS_MAX_AGE_S:
             return
         try:
@@ -129,6 +130,7 @@ class GatewayState:
             cards = [c for c in listing.cards if c.status == "ready"]
             self.tiers = {"gpu": sum(c.id in gpu for c in cards), "host": sum(c.host_resident for c in cards),
                           "disk": len(cards)}
+            self.ready_cards = cards
             self.tiers_at = time.monotonic()
 
 
