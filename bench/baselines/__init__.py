@@ -1,0 +1,1 @@
+"""Baseline servers the benchmarks compare loraplex with (same trace, same GPU, same HTTP subset)."""
