@@ -28,6 +28,9 @@ class EngineConfig:
     max_resident_adapters: int = _doc("adapters kept in the pool at once (resident table rows)", 128)
     max_running_requests: int = _doc("requests in the running batch at most", 256)
     max_batched_tokens: int = _doc("tokens per step at most (prefill chunks + decodes)", 2048)
+    admission_batch: int = _doc("with a full running batch, admit waiting requests once this many places are free "
+                                "(capped at max_running_requests / 8 and at the queue length), so prefill runs in "
+                                "few eager steps and decode steps stay graph-replayed; 1 = admit at every step", 32)
     max_model_len: int = _doc("prompt + output tokens at most; 0 = model's max_position_embeddings", 0)
     seed: int = _doc("seed for dummy weights", 0)
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)

@@ -71,6 +71,7 @@ class Engine:
         self._deferred_aborts: list[str] = []
         self._order = 0
         self.num_preemptions = 0
+        self._admitting = False  # an admission round is under way (see _admission_due)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig, **kw) -> "Engine":
@@ -227,7 +228,8 @@ class Engine:
             i += 1
         if self.merge is not None:
             self.merge.before_admission()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+        self._admitting = self._admitting or self._admission_due()
+        while self._admitting and self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             seq = self.waiting[0]
             n = min(seq.remaining, budget)
             name = seq.req.adapter
@@ -265,7 +267,20 @@ class Engine:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+        if not self.waiting or len(self.running) >= self.config.max_running_requests:
+            self._admitting = False  # the round is over: the batch is full or nobody waits
         return scheduled
+
+    def _admission_due(self) -> bool:
+        """Whether an admission round starts now. Each step that admits requests carries their prefill and
+        runs eagerly (only pure decode steps replay CUDA graphs); admitting one request as each finishes would
+        make nearly every step eager at saturation. So with a busy batch, admission waits until a round's
+        worth of places is free, then continues step after step until the batch is full or the queue empty."""
+        if not self.waiting:
+            return False
+        free = self.config.max_running_requests - len(self.running)
+        need = min(self.config.admission_batch, max(1, self.config.max_running_requests // 8), len(self.waiting))
+        return not self.running or free >= need
 
     def _give_slots(self, seq: Sequence, n: int) -> None:
         new = self.pool.allocator.allocate(n)

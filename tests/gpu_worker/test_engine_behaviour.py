@@ -153,3 +153,34 @@ def drain_outputs(engine: Engine) -> list:
     while engine.has_unfinished():
         outputs += engine.step()
     return outputs
+
+
+def test_busy_batch_admits_waiting_requests_in_rounds(model_dir):
+    # 16 running places, so a round is min(admission_batch, 16 // 8 = 2, queue length) requests.
+    engine = engine_for(model_dir, max_running_requests=16, admission_batch=4)
+    for i in range(16):  # request i finishes after i + 2 tokens, one per step from the third step on
+        engine.add_request(EngineRequest(f"run{i}", [3, 4, 5], SamplingParams(max_tokens=i + 2, ignore_eos=True)))
+    for i in range(6):
+        engine.add_request(EngineRequest(f"wait{i}", [6, 7], SamplingParams(max_tokens=40, ignore_eos=True)))
+    running, finished = [], 0
+    for _ in range(12):
+        finished += sum(1 for out in engine.step() if out.finished)
+        running.append(len(engine.running))
+    # From the second step on one request finishes per step (counted after it left); admission waits until
+    # two places are free, then fills both, so the batch alternates 14 and 15 instead of staying at 15.
+    assert running[:6] == [16, 15, 14, 15, 14, 15], running
+    results = drain(engine)
+    assert {f"wait{i}" for i in range(6)} <= set(results) and engine.pool.allocator.num_used == 0
+
+
+def test_admission_batch_of_one_refills_every_step(model_dir):
+    engine = engine_for(model_dir, max_running_requests=16, admission_batch=1)
+    for i in range(16):
+        engine.add_request(EngineRequest(f"run{i}", [3, 4, 5], SamplingParams(max_tokens=i + 2, ignore_eos=True)))
+    for i in range(6):
+        engine.add_request(EngineRequest(f"wait{i}", [6, 7], SamplingParams(max_tokens=40, ignore_eos=True)))
+    running = []
+    for _ in range(8):
+        engine.step()
+        running.append(len(engine.running))
+    assert running == [16] + [15] * 7, running  # every finished place refilled at the next step
