@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.launcher:main", "start every service in the foreground (embedded default with no arguments)"),
     "adapters": ("shared.adapters_client:main", "add, list or remove adapters on a running server"),
     "status": ("shared.status_cli:main", "summarize a running server: traffic, latency, workers, pool, adapters per tier"),
+    "bench": ("bench.cli:main", "benchmarks: run a point or a resumable sweep, plot results, measure the roofline"),
 }
 
 
