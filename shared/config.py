@@ -51,6 +51,8 @@ class EngineConfig:
         if self.num_slots and self.adapter_pool_slots >= self.num_slots:
             raise ValueError(f"adapter_pool_slots ({self.adapter_pool_slots}) must leave KV slots: it has to be "
                              f"less than num_slots ({self.num_slots})")
+        if isinstance(self.admission_batch, bool) or not isinstance(self.admission_batch, int) or self.admission_batch < 1:
+            raise ValueError(f"admission_batch must be an integer >= 1 (1 = admit at every step), got {self.admission_batch!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

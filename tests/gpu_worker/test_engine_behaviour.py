@@ -184,3 +184,9 @@ def test_admission_batch_of_one_refills_every_step(model_dir):
         engine.step()
         running.append(len(engine.running))
     assert running == [16] + [15] * 7, running  # every finished place refilled at the next step
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.5])
+def test_admission_batch_must_be_a_positive_integer(value):
+    with pytest.raises(ValueError, match="admission_batch must be an integer >= 1"):
+        EngineConfig(admission_batch=value)
