@@ -1,0 +1,274 @@
+"""The metrics of one run point (BENCHMARKS.md "Metrics"): `summarize` turns the client's request records
+into throughput, latency and SLO figures; `ServerSampler` watches the server's /metrics during the run for
+pool occupancy, adapter loads and queue peaks, and the GPU's memory through nvidia-smi.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from collections import defaultdict
+from typing import Sequence
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.client import RequestRecord
+
+
+def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 6.0,
+              duration_s: float | None = None) -> dict:
+    """The figures of one run, over its measured window.
+
+    Window: the requests whose trace arrival is at or after `warmup_s` (earlier ones only warm the server
+    up). It starts at `warmup_s` and ends at the later of the last finish of a completed window request
+    and `duration_s` (the run's arrival span, when given), so window_s = end - warmup_s: a saturated
+    server is timed until it has worked off the window's requests, and an idle one is not credited with a
+    shorter time than the load took to offer.
+    - throughput_rps = completed window requests / window_s; output_tok_s = their output tokens / window_s.
+    - A request completed when its stream ended normally; every other window request (refused with 429,
+      aborted early by the SLO policy, failed, timed out) counts in `aborted` (broken down by HTTP status
+      or "none" in `errors_by_status`).
+    - Latencies are from the request's trace arrival (so client lag, reported as send_lag_max_s, is never
+      hidden) over completed window requests: latency = finish - arrival, TTFT = first token - arrival,
+      TPOT = (finish - first token) / (output_tokens - 1) for requests of 2+ tokens. Percentiles are
+      numpy.percentile's linear interpolation; figures over no request are None.
+    - slo_attainment: the fraction of all window requests that completed with TTFT <= slo_s (aborted ones
+      miss). user_satisfaction: the mean over all window requests of 1 - (TTFT/slo_s)² when completed with
+      TTFT < slo_s, else 0.
+    """
+    if warmup_s < 0:
+        raise ValueError(f"warmup_s must be >= 0, got {warmup_s}")
+    if not slo_s > 0:
+        raise ValueError(f"slo_s must be > 0, got {slo_s}")
+    window = [r for r in records if r.arrival_s >= warmup_s]
+    done = [r for r in window if r.completed]
+    end = max([r.finish_s for r in done] + [duration_s or 0.0, warmup_s])
+    window_s = end - warmup_s
+    ttft = np.array([r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None])
+    latency = np.array([r.finish_s - r.arrival_s for r in done])
+    tpot = np.array([(r.finish_s - r.first_token_s) / (r.output_tokens - 1)
+                     for r in done if r.output_tokens > 1 and r.first_token_s is not None])
+    met = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None
+           and r.first_token_s - r.arrival_s <= slo_s]
+    satisfaction = sum(1.0 - (t / slo_s) ** 2 for t in met if t < slo_s)
+    errors: dict[str, int] = defaultdict(int)
+    for r in window:
+        if not r.completed:
+            errors[str(r.status) if r.status is not None else "none"] += 1
+    lags = [r.sent_s - r.arrival_s for r in records if r.sent_s is not None]
+    tokens = sum(r.output_tokens for r in done)
+    return {
+        "n_window": len(window),
+        "n_completed": len(done),
+        "aborted": len(window) - len(done),
+        "errors_by_status": dict(sorted(errors.items())),
+        "window_s": window_s,
+        "throughput_rps": len(done) / window_s if window_s > 0 else 0.0,
+        "output_tok_s": tokens / window_s if window_s > 0 else 0.0,
+        "output_tokens": tokens,
+        "latency_mean_s": _mean(latency),
+        "latency_p99_s": _pct(latency, 99),
+        "ttft_mean_s": _mean(ttft),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_mean_s": _mean(tpot),
+        "tpot_p99_s": _pct(tpot, 99),
+        "slo_s": slo_s,
+        "slo_attainment": len(met) / len(window) if window else None,
+        "user_satisfaction": satisfaction / len(window) if window else None,
+        "send_lag_max_s": max(lags) if lags else None,
+    }
+
+
+def _mean(a: np.ndarray) -> float | None:
+    return float(a.mean()) if a.size else None
+
+
+def _pct(a: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(a, q)) if a.size else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The server's side: /metrics sampled during the run.
+# ---------------------------------------------------------------------------------------------------------
+def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus exposition: (name, sorted label pairs) -> value."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _by_label(samples: dict, name: str, label: str, **match) -> dict[str, float]:
+    """{value of `label`: sample value} for the samples of `name` whose other labels include `match`."""
+    out = {}
+    for (n, labels), value in samples.items():
+        if n != name:
+            continue
+        d = dict(labels)
+        if all(d.get(k) == v for k, v in match.items()) and label in d:
+            out[d[label]] = value
+    return out
+
+
+class _CounterDelta:
+    """Increase of a per-worker counter over the run; a value below the last one is a worker restart
+    (its counter starts again from zero), so the new value is all increase."""
+
+    def __init__(self):
+        self.last: dict[str, float] = {}
+        self.total = 0.0
+
+    def update(self, per_worker: dict[str, float], baseline: bool) -> None:
+        for worker, value in per_worker.items():
+            prev = self.last.get(worker)
+            if not baseline:
+                self.total += value if prev is None or value < prev else value - prev
+            self.last[worker] = value
+
+
+class ServerSampler:
+    """Polls GET {base_url}/metrics every `interval_s` in a thread from start() to stop(); `report()` gives
+    the run's peaks (pool slots summed over workers, queue, running requests), the increase of the adapter
+    load, load-byte and preemption counters, and the peak GPU memory in use (nvidia-smi, every
+    `gpu_interval_s`; None where there is none).
+
+    The baseline sample is taken in start() itself, so counters count from before the first request.
+    Pool occupancy is the scheduler's view, refreshed by its worker pings, so a peak shorter than a ping
+    round can be missed; the figures are peaks of what was observed."""
+
+    def __init__(self, base_url: str, interval_s: float = 0.5, gpu_interval_s: float = 2.0,
+                 api_key: str | None = None, nvidia_smi: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.interval_s = interval_s
+        self.gpu_interval_s = gpu_interval_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.nvidia_smi = nvidia_smi if nvidia_smi is not None else shutil.which("nvidia-smi")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.samples = 0
+        self.sample_errors = 0
+        self.last_error: str | None = None
+        self.peaks: dict[str, float] = {}
+        self.pool_total_slots: float | None = None
+        self.counters = {k: _CounterDelta() for k in ("adapter_loads", "adapter_load_bytes", "preemptions")}
+        self.gpu_memory_used_peak_mib: float | None = None
+        self.gpu_memory_total_mib: float | None = None
+        self._last_gpu = 0.0
+
+    def __enter__(self) -> ServerSampler:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> ServerSampler:
+        self._client = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=10.0)
+        self._sample(baseline=True)
+        self._thread = threading.Thread(target=self._loop, name="server-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        """Stop polling after one last sample; the report."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=30)
+            self._thread = None
+            self._sample(baseline=False)
+            self._client.close()
+        return self.report()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample(baseline=False)
+
+    def _sample(self, baseline: bool) -> None:
+        try:
+            r = self._client.get("/metrics")
+            r.raise_for_status()
+            samples = parse_samples(r.text)
+        except (httpx.HTTPError, ValueError) as e:
+            with self._lock:
+                self.sample_errors += 1
+                self.last_error = f"{type(e).__name__}: {e}"[:300]
+        else:
+            self._record(samples, baseline)
+        now = time.monotonic()
+        if self.nvidia_smi and (baseline or now - self._last_gpu >= self.gpu_interval_s):
+            self._last_gpu = now
+            self._gpu_memory()
+
+    def _record(self, samples: dict, baseline: bool) -> None:
+        slots = {kind: sum(_by_label(samples, "loraplex_pool_slots", "worker", kind=kind).values())
+                 for kind in ("kv", "adapter", "free", "total")}
+        values = {
+            "pool_kv_slots": slots["kv"],
+            "pool_adapter_slots": slots["adapter"],
+            "pool_used_slots": slots["kv"] + slots["adapter"],
+            "queue_depth": samples.get(("loraplex_queue_depth", ()), 0.0),
+            "running_requests": sum(_by_label(samples, "loraplex_running_requests", "worker").values()),
+            "worker_waiting_requests": sum(_by_label(samples, "loraplex_worker_waiting_requests", "worker").values()),
+            "gateway_in_flight": samples.get(("loraplex_gateway_in_flight", ()), 0.0),
+            "adapters_resident_gpu": _by_label(samples, "loraplex_adapters_resident", "tier").get("gpu", 0.0),
+        }
+        with self._lock:
+            self.samples += 1
+            for k, v in values.items():
+                self.peaks[k] = max(self.peaks.get(k, v), v)
+            if slots["total"]:
+                self.pool_total_slots = slots["total"]
+                free = slots["free"]
+                self.peaks["pool_free_slots_min"] = min(self.peaks.get("pool_free_slots_min", free), free)
+            for key, name in (("adapter_loads", "loraplex_adapter_loads_total"),
+                              ("adapter_load_bytes", "loraplex_adapter_load_bytes_total"),
+                              ("preemptions", "loraplex_preemptions_total")):
+                self.counters[key].update(_by_label(samples, name, "worker"), baseline)
+
+    def _gpu_memory(self) -> None:
+        try:
+            out = subprocess.run([self.nvidia_smi, "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+            rows = [[float(v) for v in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return
+        if not rows:
+            return
+        used = max(r[0] for r in rows)  # the busiest GPU of the host
+        with self._lock:
+            self.gpu_memory_used_peak_mib = max(self.gpu_memory_used_peak_mib or 0.0, used)
+            self.gpu_memory_total_mib = max(r[1] for r in rows)
+
+    def report(self) -> dict:
+        with self._lock:
+            p = dict(self.peaks)
+            total = self.pool_total_slots
+            used = p.get("pool_used_slots")
+            return {
+                "pool_total_slots": _int(total),
+                "pool_kv_slots_peak": _int(p.get("pool_kv_slots")),
+                "pool_adapter_slots_peak": _int(p.get("pool_adapter_slots")),
+                "pool_used_slots_peak": _int(used),
+                "pool_free_slots_min": _int(p.get("pool_free_slots_min")),
+                "pool_used_fraction_peak": used / total if total and used is not None else None,
+                "queue_depth_peak": _int(p.get("queue_depth")),
+                "running_requests_peak": _int(p.get("running_requests")),
+                "worker_waiting_requests_peak": _int(p.get("worker_waiting_requests")),
+                "gateway_in_flight_peak": _int(p.get("gateway_in_flight")),
+                "adapters_resident_gpu_peak": _int(p.get("adapters_resident_gpu")),
+                **{key: _int(c.total) if self.samples else None for key, c in self.counters.items()},
+                "gpu_memory_used_peak_mib": self.gpu_memory_used_peak_mib,
+                "gpu_memory_total_mib": self.gpu_memory_total_mib,
+                "metrics_samples": self.samples,
+                "metrics_sample_errors": self.sample_errors,
+            }
+
+
+def _int(v: float | None) -> int | None:
+    return None if v is None else int(round(v))

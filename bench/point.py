@@ -1,0 +1,126 @@
+"""One run point: a trace sent to a live stack, summarized into the JSON line BENCHMARKS.md asks for."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import shlex
+import subprocess
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from bench.client import RequestRecord, run_trace
+from bench.metrics import ServerSampler, summarize
+from bench.workload import TraceRequest, make_trace
+
+
+@dataclass
+class PointSpec:
+    setting: str  # S1, S2, S4, S-GQA (or "tiny" in tests)
+    system: str  # loraplex, base-only, peft, merge, bmm, no-unify
+    n_adapters: int
+    alpha: float
+    req_rate: float  # requests/s offered
+    cv: float
+    policy: str  # the scheduler's admission policy the stack runs (fcfs, lcfs, early-abort, ...)
+    duration_s: float  # arrivals span [0, duration_s)
+    warmup_s: float  # requests arriving before this are not measured
+    seed: int
+    prompt_range: tuple[int, int] = (8, 512)
+    output_range: tuple[int, int] = (8, 512)
+
+    def __post_init__(self):
+        if not 0 <= self.warmup_s < self.duration_s:
+            raise ValueError(f"warmup_s must be in [0, duration_s): got warmup_s={self.warmup_s}, "
+                             f"duration_s={self.duration_s}")
+
+    def trace(self) -> list[TraceRequest]:
+        return make_trace(self.n_adapters, self.alpha, self.req_rate, self.cv, self.duration_s, self.seed,
+                          self.prompt_range, self.output_range)
+
+
+def gpu_name() -> str:
+    """The device the bench host measures on: torch.cuda's name of GPU 0, else "cpu"."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # a broken CUDA install must not lose a finished run's results
+        pass
+    return "cpu"
+
+
+def versions() -> dict:
+    """torch, triton and NVIDIA driver versions of the bench host (None where absent)."""
+    out: dict = {"torch_version": None, "triton_version": None, "driver_version": None}
+    try:
+        import torch
+
+        out["torch_version"] = torch.__version__
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        out["triton_version"] = triton.__version__
+    except ImportError:
+        pass
+    if smi := shutil.which("nvidia-smi"):
+        try:
+            res = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=10, check=True)
+            out["driver_version"] = res.stdout.strip().splitlines()[0] or None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            pass
+    return out
+
+
+def write_records(path: Path, records: list[RequestRecord]) -> None:
+    """The per-request records of a point as JSON lines (for re-analysis; the point line is the summary)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+
+
+async def arun_point(base_url: str, spec: PointSpec, model_for: Callable[[TraceRequest], str], vocab_size: int,
+                     command: str | None = None, api_key: str | None = None, slo_s: float = 6.0,
+                     request_timeout_s: float = 600.0, progress: bool = True, processes: int | None = None,
+                     sample_interval_s: float = 0.5, records_path: Path | None = None) -> dict:
+    """Run `spec`'s trace against the stack at `base_url` (which already serves `spec.system` with its
+    adapters registered) and return the point's JSON-line dict. `roofline_fraction` is None: the caller
+    fills it through bench/roofline.py. `command` is the command line that produced the point (default:
+    this process's own, shell-quoted)."""
+    trace = spec.trace()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t = time.monotonic()
+    sampler = ServerSampler(base_url, interval_s=sample_interval_s, api_key=api_key).start()
+    try:
+        records = await run_trace(base_url, trace, model_for, vocab_size, api_key=api_key,
+                                  request_timeout_s=request_timeout_s, progress=progress, seed=spec.seed,
+                                  processes=processes)
+    finally:
+        server = sampler.stop()
+    wall_s = time.monotonic() - t
+    if records_path is not None:
+        write_records(Path(records_path), records)
+    point = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(spec).items()}
+    point.update(n_requests=len(trace), offered_rps=len(trace) / spec.duration_s)
+    point.update(summarize(records, spec.warmup_s, slo_s=slo_s, duration_s=spec.duration_s))
+    point.update(server)
+    point.update(roofline_fraction=None, gpu=gpu_name(), **versions(), date=started.date().isoformat(),
+                 started_at=started.isoformat(timespec="seconds"), wall_s=wall_s,
+                 command=command if command is not None else shlex.join(sys.argv))
+    return point
+
+
+def run_point(base_url: str, spec: PointSpec, model_for: Callable[[TraceRequest], str], vocab_size: int,
+              **kwargs) -> dict:
+    """arun_point from synchronous code (not from inside a running event loop)."""
+    return asyncio.run(arun_point(base_url, spec, model_for, vocab_size, **kwargs))

@@ -1,0 +1,155 @@
+"""summarize() against figures worked out by hand from its definitions; ServerSampler against a real stack
+(fresh adapters, so loads must happen), against nothing, and with a stand-in nvidia-smi (the GPU driver's
+tool is outside the system)."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import stat
+import time
+
+import pytest
+
+from bench.client import RequestRecord, run_trace
+from bench.metrics import ServerSampler, _CounterDelta, summarize
+from bench.workload import TraceRequest
+from shared.probes import free_port, metric
+from tests.bench.conftest import VOCAB_SIZE
+from tests.e2e.conftest import upload
+
+
+def rec(index, arrival, first=None, finish=None, tokens=0, error=None, status=200) -> RequestRecord:
+    return RequestRecord(index, 0, 8, tokens, arrival, arrival, first, finish, tokens, error, status)
+
+
+RECORDS = [
+    rec(0, 0.5, 0.6, 0.7, 4),  # arrives during warm-up: not measured
+    rec(1, 1.0, 2.0, 4.0, 5),  # ttft 1, latency 3, tpot (4-2)/4 = 0.5
+    rec(2, 2.0, 5.0, 9.0, 3),  # ttft 3, latency 7, tpot 4/2 = 2
+    rec(3, 3.0, 10.0, 11.0, 1),  # ttft 7 (misses the 6 s SLO), latency 8, no tpot (one token)
+    rec(4, 4.0, None, 4.01, 0, "HTTP 429: queue is full", 429),
+    rec(5, 5.0, None, 35.0, 0, "timeout: no complete answer within 30s", None),
+]
+
+
+def test_summarize_by_hand():
+    s = summarize(RECORDS, warmup_s=1.0, slo_s=6.0, duration_s=8.0)
+    assert (s["n_window"], s["n_completed"], s["aborted"]) == (5, 3, 2)
+    assert s["errors_by_status"] == {"429": 1, "none": 1}
+    # Window [1, 11): the last completed window request finishes at 11 (later than the 8 s of arrivals;
+    # the timed-out request's end does not stretch it).
+    assert s["window_s"] == pytest.approx(10.0)
+    assert s["throughput_rps"] == pytest.approx(3 / 10)
+    assert s["output_tokens"] == 9 and s["output_tok_s"] == pytest.approx(9 / 10)
+    assert s["latency_mean_s"] == pytest.approx((3 + 7 + 8) / 3)
+    assert s["ttft_mean_s"] == pytest.approx(11 / 3)
+    # Linear interpolation over sorted TTFTs [1, 3, 7]: p50 = 3, p90 at rank 1.8 = 3 + 0.8*4, p99 at 1.98.
+    assert s["ttft_p50_s"] == pytest.approx(3.0)
+    assert s["ttft_p90_s"] == pytest.approx(6.2)
+    assert s["ttft_p99_s"] == pytest.approx(6.92)
+    assert s["tpot_mean_s"] == pytest.approx((0.5 + 2.0) / 2)
+    assert s["slo_attainment"] == pytest.approx(2 / 5)  # aborted requests count as misses
+    assert s["user_satisfaction"] == pytest.approx(((1 - (1 / 6) ** 2) + (1 - (3 / 6) ** 2)) / 5)
+    assert s["send_lag_max_s"] == 0.0
+
+
+def test_window_end_and_slo_edges():
+    # Arrivals offered for 20 s: the window lasts at least that long even if the server finished at 11.
+    assert summarize(RECORDS, 1.0, duration_s=20.0)["window_s"] == pytest.approx(19.0)
+    assert summarize(RECORDS, 1.0)["window_s"] == pytest.approx(10.0)
+    # A tighter SLO: TTFT 1 meets 2 s (satisfaction 1 - 1/4), TTFT 3 does not.
+    s = summarize(RECORDS, 1.0, slo_s=2.0)
+    assert s["slo_attainment"] == pytest.approx(1 / 5) and s["user_satisfaction"] == pytest.approx(0.75 / 5)
+    # Exactly at the SLO: attained, but a satisfaction of 0.
+    s = summarize([rec(0, 0.0, 6.0, 7.0, 2)], 0.0, slo_s=6.0)
+    assert s["slo_attainment"] == 1.0 and s["user_satisfaction"] == 0.0
+    # Warm-up excludes requests by arrival, not by finish.
+    assert summarize(RECORDS, 2.0)["n_window"] == 4
+
+
+def test_empty_window():
+    s = summarize(RECORDS, warmup_s=100.0)
+    assert (s["n_window"], s["throughput_rps"], s["aborted"]) == (0, 0.0, 0)
+    assert s["ttft_p50_s"] is None and s["latency_mean_s"] is None and s["slo_attainment"] is None
+    with pytest.raises(ValueError, match="warmup_s"):
+        summarize(RECORDS, -1.0)
+    with pytest.raises(ValueError, match="slo_s"):
+        summarize(RECORDS, 0.0, slo_s=0)
+
+
+def test_counter_delta_survives_worker_restarts():
+    c = _CounterDelta()
+    c.update({"worker-0": 10}, baseline=True)
+    c.update({"worker-0": 15}, baseline=False)  # +5
+    c.update({"worker-0": 3}, baseline=False)  # restarted: +3
+    c.update({"worker-0": 4, "worker-1": 2}, baseline=False)  # +1, and a new worker's +2
+    assert c.total == 11
+
+
+def scrape(stack) -> str:
+    return stack.metrics()
+
+
+def test_sampler_on_a_live_stack(core_stack, tmp_path):
+    from shared.make_adapters import make_adapters
+
+    folders = make_adapters(tmp_path / "fresh", core_stack.data_dir / "model", 2, ranks=[8, 16], seed=21, prefix="sampled")
+    with core_stack.client() as c:
+        for f in folders:
+            assert upload(c, f, f.name).status_code in (200, 201)
+    names = [f.name for f in folders]
+    trace = [TraceRequest(i, 0.1 * i, i % 2, 24, 48) for i in range(12)]
+
+    before = scrape(core_stack)
+    sampler = ServerSampler(core_stack.url, interval_s=0.1).start()
+    records = asyncio.run(run_trace(core_stack.url, trace, lambda r: names[r.adapter], VOCAB_SIZE, progress=False, processes=1))
+    report = sampler.stop()
+    after = scrape(core_stack)
+
+    assert all(r.completed for r in records)
+    assert report["metrics_samples"] >= 5 and report["metrics_sample_errors"] == 0
+    total = metric(after, "loraplex_pool_slots", worker="worker-0", kind="total")
+    assert report["pool_total_slots"] == total
+    assert 0 < report["pool_kv_slots_peak"] <= report["pool_used_slots_peak"] <= total
+    assert report["pool_adapter_slots_peak"] > 0
+    # Free and used are sampled together: the fewest free slots seen leave room for at most the peak use.
+    assert total - report["pool_used_slots_peak"] <= report["pool_free_slots_min"] < total
+    assert report["pool_used_fraction_peak"] == pytest.approx(report["pool_used_slots_peak"] / total)
+    assert report["running_requests_peak"] >= 1
+    # Both fresh adapters had to be copied into the pool; the figures are the server's own counters' rise.
+    loads = metric(after, "loraplex_adapter_loads_total", worker="worker-0") - metric(before, "loraplex_adapter_loads_total", worker="worker-0")
+    load_bytes = (metric(after, "loraplex_adapter_load_bytes_total", worker="worker-0")
+                  - metric(before, "loraplex_adapter_load_bytes_total", worker="worker-0"))
+    assert report["adapter_loads"] == loads >= 2
+    assert report["adapter_load_bytes"] == load_bytes > 0
+    if shutil.which("nvidia-smi") is None:
+        assert report["gpu_memory_used_peak_mib"] is None and report["gpu_memory_total_mib"] is None
+
+
+def test_sampler_without_a_server_reports_nothing_it_did_not_see():
+    with ServerSampler(f"http://127.0.0.1:{free_port()}", interval_s=0.05, nvidia_smi="") as s:
+        pass
+    report = s.report()
+    assert report["metrics_samples"] == 0 and report["metrics_sample_errors"] >= 2
+    assert report["adapter_loads"] is None and report["pool_kv_slots_peak"] is None and report["pool_total_slots"] is None
+
+
+def test_sampler_gpu_memory_peak(core_stack, tmp_path):
+    # Stand-in for the driver's tool: two GPUs, the busier one's use rising then falling across calls.
+    counter = tmp_path / "calls"
+    counter.write_text("0")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"""#!/bin/sh
+n=$(cat {counter}); echo $((n + 1)) > {counter}
+case $n in 0) u=1000;; 1) u=5000;; *) u=3000;; esac
+echo "$u, 81559"
+echo "200, 81559"
+""")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    s = ServerSampler(core_stack.url, interval_s=0.1, gpu_interval_s=0.0, nvidia_smi=str(smi)).start()
+    deadline = time.monotonic() + 20
+    while int(counter.read_text() or 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report = s.stop()
+    assert int(counter.read_text()) >= 4
+    assert report["gpu_memory_used_peak_mib"] == 5000.0 and report["gpu_memory_total_mib"] == 81559.0
