@@ -1,0 +1,247 @@
+"""`loraplex bench run|sweep|plot|roofline|adapters`: the S-LoRA evaluation, from one point to a whole sweep."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+DESCRIPTION = """Benchmarks of BENCHMARKS.md: the S-LoRA workload (Gamma arrivals, power-law adapter popularity,
+uniform lengths) sent through the HTTP gateway of a stack started for one system, measured as one JSON
+line per point (docs/bench/<sweep>.jsonl), each set against a roofline from ceilings measured in the same
+run. Settings: S1, S2, S4, S-GQA (dummy weights of real shapes) and tiny (CPU tests). Systems: loraplex,
+base-only, peft, merge, bmm, no-unify. Admission policies: early-abort (the server's default), fcfs, lcfs."""
+
+COMMANDS_HELP = {
+    "run": "measure one point: start a stack for the system (or use --url), send the trace, append its line",
+    "sweep": "run a sweep spec (YAML) in pieces that end before --budget-s; run again to resume",
+    "plot": "PNG figures from result files: throughput vs adapters, vs request rate, SLO attainment vs cv",
+    "roofline": "measure the ceilings here and print a setting's roofline throughput for a trace",
+    "adapters": "write a setting's adapter population (and register it with a running server)",
+}
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loraplex bench", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    run = sub.add_parser("run", help=COMMANDS_HELP["run"], description=COMMANDS_HELP["run"] + ". "
+                         "The point is a one-point sweep: the same stack, adapters, roofline and line as `sweep`.")
+    run.add_argument("--setting", required=True, help="S1, S2, S4, S-GQA or tiny")
+    run.add_argument("--system", default="loraplex", help="loraplex, base-only, peft, merge, bmm or no-unify")
+    run.add_argument("--n", type=int, default=100, help="number of adapters (0 = base model only)")
+    run.add_argument("--rate", type=float, required=True, help="request rate R (req/s); above capacity = saturation")
+    run.add_argument("--cv", type=float, default=1.0, help="burstiness of arrivals (Gamma cv)")
+    run.add_argument("--alpha", type=float, default=1.0, help="adapter popularity power law (1 = uniform)")
+    run.add_argument("--policy", default="early-abort", help="admission policy: early-abort, fcfs or lcfs")
+    run.add_argument("--duration-s", type=float, default=120.0, help="arrivals span this many seconds")
+    run.add_argument("--warmup-s", type=float, default=20.0, help="requests arriving earlier are not measured")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--url", help="measure the server already running here instead of starting one (its adapters "
+                     "must be named adapter-00000...; nothing is registered)")
+    run.add_argument("--out", default="docs/bench/runs.jsonl", help="results file the line is appended to")
+    _stack_arguments(run)
+
+    sweep = sub.add_parser("sweep", help=COMMANDS_HELP["sweep"], description=(
+        "Run the points of a sweep spec (bench/sweeps/*.yaml) that are not yet in OUT_DIR/<name>.jsonl, starting "
+        "one stack per (setting, system, n, policy), and stop before --budget-s seconds (startup included): a "
+        "stack or point that would not fit is left for the next piece. Exit 0 when the sweep is complete, 3 when "
+        "more pieces are needed (run the same command again), 1 on an error."))
+    sweep.add_argument("spec", help="sweep spec (YAML)")
+    sweep.add_argument("--budget-s", type=float, default=540.0,
+                       help="wall time of this piece, stack startups included (default 540: under 10 minutes)")
+    sweep.add_argument("--work-dir", help="adapters, stack data, logs, timings, shared by every sweep (default data/bench)")
+    sweep.add_argument("--out-dir", default="docs/bench", help="results folder (default docs/bench)")
+    sweep.add_argument("--dry-run", action="store_true", help="list the points and stacks still to run, run nothing")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    plot = sub.add_parser("plot", help=COMMANDS_HELP["plot"], description=COMMANDS_HELP["plot"] + ".")
+    plot.add_argument("files", nargs="*", help="result files (default docs/bench/*.jsonl)")
+    plot.add_argument("--out-dir", help="where PNGs go (default: next to each file)")
+
+    roof = sub.add_parser("roofline", help=COMMANDS_HELP["roofline"], description=(
+        "Measure device-to-device copy, bf16 matmul and pinned host-to-device ceilings, then print the roofline "
+        "throughput of the setting's trace (see bench/roofline.py for the model)."))
+    roof.add_argument("--setting", default="S2")
+    roof.add_argument("--device", default="", help="cuda or cpu (default: cuda when visible)")
+    roof.add_argument("--n", type=int, default=100, help="number of adapters (0 = base model only)")
+    roof.add_argument("--rate", type=float, default=10.0)
+    roof.add_argument("--duration-s", type=float, default=120.0)
+    roof.add_argument("--batch", type=int, default=256, help="running batch the weights are amortised over")
+    roof.add_argument("--seed", type=int, default=0)
+    roof.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+    ad = sub.add_parser("adapters", help=COMMANDS_HELP["adapters"], description=(
+        "Write N PEFT adapters for a setting (bf16, ranks drawn from its rank set): distinct weight sets up to "
+        "--budget-gb, further names as hard links to them (see bench/adapters.py). With --url, register them by "
+        "server path (DIR must be under the server's --allowed-root), skipping names already registered."))
+    ad.add_argument("setting", help="S1, S2, S4, S-GQA or tiny")
+    ad.add_argument("--n", type=int, required=True, help="number of adapters")
+    ad.add_argument("--dir", required=True, help="population folder")
+    ad.add_argument("--budget-gb", type=float, default=16.0, help="bytes of distinct weight sets at most (GB)")
+    ad.add_argument("--seed", type=int, default=0)
+    ad.add_argument("--url", help="register them with this server")
+    ad.add_argument("--concurrency", type=int, default=16, help="registrations in flight at once")
+    ad.add_argument("--api-key", default="", help="admin key when the server has auth on")
+    return p
+
+
+def _stack_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="", help="cuda or cpu (default: cuda when visible)")
+    p.add_argument("--arena-gb", type=float, default=0.0, help="host-RAM adapter cache (GiB; 0 = launcher default)")
+    p.add_argument("--num-slots", type=int, default=0, help="pool slots (0 = from GPU memory)")
+    p.add_argument("--set", action="append", default=[], metavar="SERVICE.FLAG=VALUE", help="extra stack flag")
+    p.add_argument("--work-dir", help="adapters, stack data, logs, shared by every sweep (default data/bench)")
+
+
+def _command(argv: list[str]) -> str:
+    return shlex.join(["loraplex", "bench", *argv])
+
+
+def cmd_sweep(args, argv) -> int:
+    from bench.driver import MORE_PIECES, Driver, SweepSpec, expand, done_keys, groups, point_key
+
+    spec = SweepSpec.load(args.spec)
+    work_dir = Path(args.work_dir) if args.work_dir else Path("data") / "bench"
+    results = Path(args.out_dir) / f"{spec.name}.jsonl"
+    if args.dry_run:
+        done = done_keys(results)
+        for key, group in groups(expand(spec)):
+            todo = [p for p in group if point_key(p) not in done]
+            sys.stdout.write(f"stack {'/'.join(str(k) for k in key)}: {len(group) - len(todo)} done, {len(todo)} to run\n")
+            for p in todo:
+                sys.stdout.write(f"  {point_key(p)}\n")
+        return 0
+    driver = Driver(spec, work_dir, results, args.budget_s, _command(argv), progress=not args.quiet)
+    result = driver.run_piece()
+    sys.stdout.write(f"{spec.name}: {len(result.ran)} points measured in this piece, "
+                     f"{result.total - result.remaining} of {result.total} in {results}\n")
+    if result.complete:
+        return 0
+    sys.stdout.write(f"stopped: {result.stopped_for or 'budget'}; run the same command again to continue\n")
+    return MORE_PIECES
+
+
+def cmd_run(args, argv) -> int:
+    from bench.driver import Driver, SweepSpec
+
+    out = Path(args.out)
+    spec = SweepSpec(name=out.stem, setting=args.setting, systems=[args.system], n=[args.n], rates=[args.rate],
+                     cvs=[args.cv], alphas=[args.alpha], policies=[args.policy], duration_s=args.duration_s,
+                     warmup_s=args.warmup_s, seed=args.seed, device=args.device, arena_gb=args.arena_gb,
+                     num_slots=args.num_slots, set=args.set)
+    work_dir = Path(args.work_dir) if args.work_dir else Path("data") / "bench"
+    driver = Driver(spec, work_dir, out, float("inf"), _command(argv))
+    if args.url:
+        return _run_against(driver, args.url)
+    result = driver.run_piece()
+    if not result.ran and result.remaining:
+        sys.stderr.write(f"the point did not run: {result.stopped_for}\n")
+        return 1
+    sys.stdout.write(f"{'measured' if result.ran else 'already in'} {out}\n")
+    return 0
+
+
+def _run_against(driver, url: str) -> int:
+    """One point against a server someone else started: adapter i is `adapter-0000i`, None the base."""
+    import httpx
+
+    from bench.adapters import adapter_name
+    from bench.driver import append_line, expand, measure_ceilings_apart, point_key, pool_total_slots, summary
+    from bench.point import run_point
+
+    p = expand(driver.spec)[0]
+    models = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
+    base = next((m["id"] for m in models if not m.get("parent")), driver.setting.model)
+
+    def model_for(r):
+        return base if r.adapter is None or p.system == "base-only" else adapter_name(r.adapter)
+
+    ceilings = measure_ceilings_apart(driver.spec.device)
+    line = run_point(url, p, model_for, driver.setting.vocab_size, command=driver.command)
+    line.update(key=point_key(p), sweep=driver.spec.name, stack_command=None)
+    line.update(driver.roofline_fields(p, line, ceilings, pool_total_slots(url), None))
+    append_line(driver.results, line)
+    sys.stdout.write(summary(line) + "\n")
+    return 0
+
+
+def cmd_plot(args, argv) -> int:
+    from bench.plots import plot_all
+
+    files = args.files or sorted(str(p) for p in Path("docs/bench").glob("*.jsonl"))
+    if not files:
+        sys.stderr.write("no result files given and none in docs/bench/\n")
+        return 1
+    written = plot_all(files, args.out_dir)
+    for path, panels in written.items():
+        lines = sum(len(series) for series in panels.values())
+        sys.stdout.write(f"wrote {path} ({lines} lines)\n")
+    if not written:
+        sys.stdout.write("no figure: no series with two points or more\n")
+    return 0
+
+
+def cmd_roofline(args, argv) -> int:
+    from bench.roofline import Ceilings, roofline_rps
+    from bench.driver import measure_ceilings_apart
+    from bench.settings import get_setting
+    from bench.workload import make_trace
+
+    setting = get_setting(args.setting)
+    ceilings = Ceilings(**measure_ceilings_apart(args.device))
+    trace = make_trace(args.n, 1.0, args.rate, 1.0, args.duration_s, args.seed)
+    dtype_bytes = 2 if ceilings.device.startswith("cuda") else 4
+    rps = roofline_rps(setting, trace, ceilings, args.batch, None, dtype_bytes)  # adapters at the mean rank
+    out = {"setting": setting.name, "n_adapters": args.n, "batch": args.batch, "requests": len(trace),
+           "roofline_rps": rps, "ceilings": ceilings.as_dict()}
+    if args.json:
+        sys.stdout.write(json.dumps(out) + "\n")
+    else:
+        c = ceilings
+        sys.stdout.write(f"{c.name}: device-to-device copy {c.hbm_gbs:.1f} GB/s, {c.matmul_dtype} matmul "
+                         f"{c.matmul_tflops:.2f} TFLOP/s, host-to-device {c.h2d_gbs:.1f} GB/s"
+                         f"{'' if c.pinned else ' (not pinned)'}\n"
+                         f"{setting.name} (n={args.n}, batch {args.batch}, {len(trace)} requests): roofline "
+                         f"{rps:.2f} req/s\n")
+    return 0
+
+
+def cmd_adapters(args, argv) -> int:
+    from bench.adapters import generate_adapters, register
+    from bench.settings import get_setting
+
+    setting = get_setting(args.setting)
+    pop = generate_adapters(setting, args.dir, args.n, seed=args.seed, byte_budget=int(args.budget_gb * 1e9))
+    sys.stdout.write(f"{args.dir}: {args.n} adapters over {pop.distinct} distinct weight sets "
+                     f"({pop.distinct_bytes / 1e9:.2f} GB); written now {pop.written}, linked now {pop.linked}\n")
+    if args.url:
+        reg = register(args.url, args.dir, pop.names, concurrency=args.concurrency, api_key=args.api_key or None)
+        sys.stdout.write(f"registered {reg.created} ({reg.rate:.1f}/s over {reg.seconds:.1f} s), {reg.already} "
+                         f"already there, {len(reg.failed)} failed\n")
+        for name, message in list(reg.failed.items())[:20]:
+            sys.stderr.write(f"failed {name}: {message}\n")
+        return 1 if reg.failed else 0
+    return 0
+
+
+ACTIONS = {"run": cmd_run, "sweep": cmd_sweep, "plot": cmd_plot, "roofline": cmd_roofline, "adapters": cmd_adapters}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        return ACTIONS[args.action](args, argv)
+    except (ValueError, FileNotFoundError) as e:
+        sys.stderr.write(f"loraplex bench {args.action}: {e}\n")
+        return 2
+    except RuntimeError as e:
+        sys.stderr.write(f"loraplex bench {args.action}: {e}\n")
+        return 1

@@ -1,0 +1,401 @@
+"""A whole sweep on one GPU host, run in pieces that each end before a wall-time budget, resumable.
+
+A sweep spec (YAML, bench/sweeps/*.yaml) names a setting, the systems, numbers of adapters, request rates,
+cvs, alphas and admission policies, and the duration and warm-up of each point; its points are the product.
+Points that need the same server form a group (setting, system and policy; and n for the PEFT server, which
+holds exactly its n adapters): a group's stack is started once, registers the largest n of its points, and
+runs them all.
+
+A piece (`run_piece`) measures the ceilings, then walks the groups with points still missing from the
+results file (docs/bench/<sweep>.jsonl, one JSON line per point, appended as each point ends) and stops
+before its budget: a stack is started only if its startup and one point fit in what is left, and a further
+point only if it fits (estimates: the spec's, raised to what this host has taken so far, kept in the work
+dir). The first point after a start always runs: a start slower than estimated must not leave every piece
+starting a stack and measuring nothing. Adapter generation and registration also stop at the budget and
+continue in the next piece (the stack's Redis keeps what was registered). Running the same command again
+resumes; a point already in the results file is never run again. Exit status: 0 when every point is in the
+file, 3 when more pieces are needed.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from bench.settings import Setting, get_setting
+from bench.stack import POLICIES, SYSTEMS, NO_UNIFY_ADAPTERS, Stack, StackConfig, check_policy, check_system
+
+MORE_PIECES = 3
+DEFAULT_BUDGET_S = 540.0
+ADAPTER_SYSTEMS = ("loraplex", "merge", "bmm", "no-unify", "peft")  # systems that serve the population
+
+
+@dataclass
+class SweepSpec:
+    """One sweep (YAML keys are these field names; lists may be given as one value)."""
+
+    name: str
+    setting: str
+    systems: list[str]
+    n: list[int]
+    rates: list[float]
+    cvs: list[float] = field(default_factory=lambda: [1.0])
+    alphas: list[float] = field(default_factory=lambda: [1.0])
+    policies: list[str] = field(default_factory=lambda: ["early-abort"])
+    duration_s: float = 120.0
+    warmup_s: float = 20.0
+    seed: int = 0
+    prompt_range: list[int] = field(default_factory=lambda: [8, 512])
+    output_range: list[int] = field(default_factory=lambda: [8, 512])
+    request_timeout_s: float = 300.0
+    # the stack
+    device: str = ""  # "" = cuda when visible
+    arena_gb: float = 0.0  # host-RAM adapter cache; 0 = the launcher's default
+    num_slots: int = 0  # 0 = sized from GPU memory (CUDA) / 4096 (CPU)
+    adapter_budget_gb: float = 16.0  # distinct adapter weight sets on disk (bench/adapters.py)
+    no_unify_adapters: int = NO_UNIFY_ADAPTERS
+    register_concurrency: int = 16
+    set: list[str] = field(default_factory=list)  # further --set SERVICE.FLAG=VALUE for loraplex stacks
+    ready_timeout_s: float = 900.0
+    # piece planning (raised to what this host has measured)
+    startup_s: float = 180.0  # a stack's start, registration aside
+    point_tail_s: float = 60.0  # a point's time beyond its duration (the queue draining, summaries)
+    stop_s: float = 30.0
+    max_running: int = 256  # the server's largest running batch, for the roofline
+
+    def __post_init__(self) -> None:
+        for name in ("systems", "n", "rates", "cvs", "alphas", "policies", "set"):
+            value = getattr(self, name)
+            if not isinstance(value, list):
+                setattr(self, name, [value])
+        get_setting(self.setting)
+        for system in self.systems:
+            check_system(system)
+        for policy in self.policies:
+            check_policy(policy)
+        if not self.systems or not self.n or not self.rates:
+            raise ValueError(f"sweep {self.name!r}: systems, n and rates must each name at least one value")
+        if any(int(n) != n or n < 0 for n in self.n):
+            raise ValueError(f"sweep {self.name!r}: n must be integers >= 0, got {self.n}")
+        if any(r <= 0 for r in self.rates) or any(c <= 0 for c in self.cvs):
+            raise ValueError(f"sweep {self.name!r}: rates and cvs must be > 0")
+        if not 0 <= self.warmup_s < self.duration_s:
+            raise ValueError(f"sweep {self.name!r}: warmup_s must be in [0, duration_s)")
+
+    @classmethod
+    def from_dict(cls, values: dict, default_name: str = "") -> "SweepSpec":
+        if not isinstance(values, dict):
+            raise ValueError("a sweep spec is a YAML mapping of field: value")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sweep field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values = dict(values)
+        values.setdefault("name", default_name)
+        missing = [k for k in ("name", "setting", "systems", "n", "rates") if not values.get(k) and values.get(k) != 0]
+        if missing:
+            raise ValueError(f"sweep spec lacks {', '.join(missing)}")
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SweepSpec":
+        path = Path(path)
+        return cls.from_dict(yaml.safe_load(path.read_text()) or {}, default_name=path.stem)
+
+    @property
+    def setting_obj(self) -> Setting:
+        return get_setting(self.setting)
+
+
+def point_key(p) -> str:
+    """The identity of a point in a results file (a line with this key is this point, measured)."""
+    return (f"{p.setting}/{p.system}/n={p.n_adapters}/alpha={p.alpha:g}/R={p.req_rate:g}/cv={p.cv:g}/{p.policy}"
+            f"/d={p.duration_s:g}/seed={p.seed}")
+
+
+def expand(spec: SweepSpec) -> list:
+    """Every point of the sweep, grouped stack by stack (systems, then n, then policy in the spec's order)."""
+    from bench.point import PointSpec
+
+    points = []
+    for system, n, policy, alpha, rate, cv in itertools.product(spec.systems, spec.n, spec.policies, spec.alphas,
+                                                                spec.rates, spec.cvs):
+        points.append(PointSpec(setting=spec.setting, system=system, n_adapters=int(n), alpha=float(alpha),
+                                req_rate=float(rate), cv=float(cv), policy=policy, duration_s=float(spec.duration_s),
+                                warmup_s=float(spec.warmup_s), seed=int(spec.seed),
+                                prompt_range=tuple(spec.prompt_range), output_range=tuple(spec.output_range)))
+    return points
+
+
+def stack_key(p) -> tuple:
+    """Points with equal keys run on one stack. A loraplex-family stack registers the largest n of its points
+    and serves each point's first n adapters (an adapter registered but never asked for costs nothing while
+    serving); base-only needs no adapters; the PEFT server holds exactly n adapters, so n is part of its key."""
+    return (p.setting, p.system, p.n_adapters if p.system == "peft" else None, p.policy)
+
+
+def groups(points: list) -> list[tuple[tuple, list]]:
+    out: dict[tuple, list] = {}
+    for p in points:
+        out.setdefault(stack_key(p), []).append(p)
+    return list(out.items())
+
+
+def done_keys(results: Path) -> set[str]:
+    if not results.is_file():
+        return set()
+    keys = set()
+    for text in results.read_text().splitlines():
+        if text.strip():
+            try:
+                keys.add(json.loads(text)["key"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by a kill: its point runs again
+    return keys
+
+
+def append_line(results: Path, line: dict) -> None:
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with open(results, "a") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Timings:
+    """What this host has taken so far (stack starts, point tails), by setting/system; raises the estimates."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path.is_file() else {}
+
+    def get(self, kind: str, key: str, default: float) -> float:
+        return max(default, float(self.data.get(kind, {}).get(key, 0.0)))
+
+    def note(self, kind: str, key: str, seconds: float) -> None:
+        table = self.data.setdefault(kind, {})
+        table[key] = max(float(table.get(key, 0.0)), seconds)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.path)
+
+
+def measure_ceilings_apart(device: str) -> dict:
+    """The ceilings, measured in a child process so this one never holds a CUDA context (the worker sizes
+    its pool from the GPU memory left free)."""
+    code = ("import json, sys, torch; from bench.roofline import measure_ceilings\n"
+            "d = sys.argv[1] or ('cuda' if torch.cuda.is_available() else 'cpu')\n"
+            "print(json.dumps(measure_ceilings(d).as_dict()))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True, env=env, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring the ceilings failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def note(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+@dataclass
+class PieceResult:
+    ran: list[str]  # keys of the points this piece measured
+    remaining: int  # points still missing from the results file
+    total: int
+    stopped_for: str = ""  # why the piece ended before the sweep did
+
+    @property
+    def complete(self) -> bool:
+        return self.remaining == 0
+
+
+class Driver:
+    def __init__(self, spec: SweepSpec, work_dir: str | Path, results: str | Path, budget_s: float = DEFAULT_BUDGET_S,
+                 command: str = "", progress: bool = True, roofline: bool = True):
+        self.spec = spec
+        self.setting = spec.setting_obj
+        self.work_dir = Path(work_dir).resolve()
+        self.results = Path(results)
+        self.budget_s = budget_s
+        self.command = command or shlex.join(sys.argv)
+        self.progress = progress
+        self.roofline = roofline
+        self.timings = Timings(self.work_dir / "timings.json")
+        self.started = time.monotonic()
+
+    # ---- time --------------------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+    def timing_key(self, system: str) -> str:
+        return f"{self.spec.setting}/{system}"
+
+    def point_estimate(self, p) -> float:
+        return p.duration_s + self.timings.get("point_tail", self.timing_key(p.system), self.spec.point_tail_s)
+
+    def startup_estimate(self, system: str) -> float:
+        return self.timings.get("startup", self.timing_key(system), self.spec.startup_s)
+
+    # ---- adapters ----------------------------------------------------------------------------------
+    def population(self, n: int):
+        from bench.adapters import generate_adapters
+
+        folder = self.work_dir / "adapters" / f"{self.setting.name}-s{self.spec.seed}"
+        return generate_adapters(self.setting, folder, n, seed=self.spec.seed,
+                                 byte_budget=int(self.spec.adapter_budget_gb * 1e9), progress=self.progress,
+                                 deadline=self.started + self.budget_s - self.spec.stop_s)
+
+    def stack_config(self, system: str, n: int, policy: str, population) -> StackConfig:
+        s = self.spec
+        return StackConfig(setting=self.setting, system=system, work_dir=self.work_dir, population=population,
+                           n_adapters=n if system != "base-only" else 0, policy=policy,
+                           arena_bytes=int(s.arena_gb * 2**30), device=s.device, num_slots=s.num_slots,
+                           no_unify_adapters=s.no_unify_adapters, extra_set=tuple(s.set),
+                           ready_timeout_s=s.ready_timeout_s, register_concurrency=s.register_concurrency,
+                           progress=self.progress)
+
+    # ---- one piece ---------------------------------------------------------------------------------
+    def run_piece(self) -> PieceResult:
+        points = expand(self.spec)
+        done = done_keys(self.results)
+        pending = [(key, [p for p in group if point_key(p) not in done]) for key, group in groups(points)]
+        pending = [(key, group) for key, group in pending if group]
+        remaining = sum(len(g) for _, g in pending)
+        result = PieceResult(ran=[], remaining=remaining, total=len(points))
+        note(f"sweep {self.spec.name}: {len(points) - remaining} of {len(points)} points done, {remaining} to run, "
+             f"budget {self.budget_s:g} s")
+        if not pending:
+            return result
+        ceilings = measure_ceilings_apart(self.spec.device) if self.roofline else None
+        if ceilings:
+            note(f"ceilings on {ceilings['name']}: copy {ceilings['hbm_gbs']:.0f} GB/s, matmul "
+                 f"{ceilings['matmul_tflops']:.1f} TFLOP/s, host-to-device {ceilings['h2d_gbs']:.1f} GB/s")
+        for (_, system, n, policy), group in pending:
+            first = group[0]
+            need = self.startup_estimate(system) + self.point_estimate(first) + self.spec.stop_s
+            if need > self.left():
+                result.stopped_for = (f"a {system} stack and its first point need ~{need:.0f} s, {self.left():.0f} s "
+                                      f"of the budget are left")
+                break
+            n = max(p.n_adapters for p in group) if system != "base-only" else 0
+            population = None
+            if system in ADAPTER_SYSTEMS and n > 0:
+                population = self.population(n)
+                if not population.complete:
+                    result.stopped_for = "adapter generation reached the budget; it continues in the next piece"
+                    break
+            stopped = self.run_group(system, n, policy, population, group, ceilings, result)
+            if stopped:
+                result.stopped_for = stopped
+                break
+        result.remaining = remaining - len(result.ran)
+        return result
+
+    def run_group(self, system: str, n: int, policy: str, population, group: list, ceilings: dict | None,
+                  result: PieceResult) -> str:
+        """Start the group's stack and run its points while they fit; the reason it stopped early, or ""."""
+        from bench.stack import stack_info
+
+        config = self.stack_config(system, n, policy, population)
+        registration_deadline = self.started + self.budget_s - self.point_estimate(group[0]) - self.spec.stop_s
+        note(f"starting {config.label} ({self.left():.0f} s of the budget left)")
+        stack = Stack(config)
+        stack.start(registration_deadline=registration_deadline)
+        try:
+            self.timings.note("startup", self.timing_key(system), stack.startup_s)
+            if stack.registration is not None:
+                reg = stack.registration
+                note(f"  registered {reg.created} new adapters in {reg.seconds:.1f} s ({reg.rate:.1f}/s), "
+                     f"{reg.already} already there")
+                if not reg.complete:
+                    return "adapter registration reached the budget; it continues in the next piece"
+            info = stack_info(stack)
+            pool_slots = pool_total_slots(stack.url)
+            for i, p in enumerate(group):
+                if i > 0 and self.point_estimate(p) + self.spec.stop_s > self.left():
+                    return f"the next point needs ~{self.point_estimate(p):.0f} s, {self.left():.0f} s are left"
+                line = self.run_one(stack, p, ceilings, pool_slots, info, population)
+                result.ran.append(line["key"])
+                note(f"[{len(result.ran)}/{result.remaining}] {summary(line)} ({self.elapsed():.0f}/{self.budget_s:g} s)")
+        finally:
+            stack.stop()
+            if stack.left_behind:
+                note(f"  warning: {len(stack.left_behind)} processes outlived the stack and were killed")
+        return ""
+
+    def run_one(self, stack: Stack, p, ceilings: dict | None, pool_slots: int, info: dict, population) -> dict:
+        from bench.point import run_point
+
+        t0 = time.monotonic()
+        records = self.work_dir / "records" / self.spec.name / (point_key(p).replace("/", "_") + ".jsonl")
+        line = run_point(stack.url, p, stack.model_for, self.setting.vocab_size, command=self.command,
+                         request_timeout_s=self.spec.request_timeout_s, progress=self.progress,
+                         records_path=records)
+        wall = time.monotonic() - t0
+        self.timings.note("point_tail", self.timing_key(p.system), max(0.0, wall - p.duration_s))
+        line.update(key=point_key(p), sweep=self.spec.name, **info)
+        if ceilings is not None:
+            line.update(self.roofline_fields(p, line, ceilings, pool_slots, population))
+        append_line(self.results, line)
+        return line
+
+    def roofline_fields(self, p, line: dict, ceilings: dict, pool_slots: int, population) -> dict:
+        from bench.roofline import Ceilings, roofline_rps, server_batch
+
+        c = Ceilings(**ceilings)
+        trace = p.trace()
+        if p.system == "base-only" or not p.n_adapters:
+            ranks = [0] * max(1, p.n_adapters)
+        else:
+            ranks = population.ranks[:p.n_adapters] if population is not None else None
+        batch = server_batch(self.setting, trace, self.spec.max_running, pool_slots)
+        dtype_bytes = 2 if c.device.startswith("cuda") else 4  # bf16 on GPUs, fp32 on the CPU backend
+        rps = roofline_rps(self.setting, trace, c, batch, ranks, dtype_bytes)
+        throughput = line.get("throughput_rps")
+        return {"roofline_rps": rps, "roofline_batch": batch, "ceilings": ceilings,
+                "roofline_fraction": throughput / rps if throughput is not None else None}
+
+
+def pool_total_slots(url: str) -> int:
+    """The worker's pool size from /metrics (0 when the server has none, e.g. the PEFT baseline)."""
+    import httpx
+
+    from shared.probes import metric
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=10.0).text
+        return int(sum(v for v in [metric(text, "loraplex_pool_slots", worker="worker-0", kind="total")] if v))
+    except Exception:
+        return 0
+
+
+def summary(line: dict) -> str:
+    def num(key, fmt):
+        v = line.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    return (f"{line['setting']} {line['system']} n={line['n_adapters']} R={line['req_rate']:g} cv={line['cv']:g} "
+            f"{line['policy']}: {num('throughput_rps', '.2f')} req/s, TTFT p50 {num('ttft_p50_s', '.2f')} s, "
+            f"SLO {num('slo_attainment', '.2f')}, roofline {num('roofline_fraction', '.2f')}")
+
+
+def run_sweep(spec_path: str | Path, work_dir: str | Path | None = None, out_dir: str | Path = "docs/bench",
+              budget_s: float = DEFAULT_BUDGET_S, command: str = "", progress: bool = True) -> PieceResult:
+    spec = SweepSpec.load(spec_path)
+    work_dir = Path(work_dir) if work_dir else Path("data") / "bench"
+    results = Path(out_dir) / f"{spec.name}.jsonl"
+    return Driver(spec, work_dir, results, budget_s, command, progress).run_piece()

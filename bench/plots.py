@@ -1,0 +1,132 @@
+"""Figures from the result lines of docs/bench/*.jsonl (matplotlib, Agg, PNG).
+
+- throughput vs number of adapters: one figure per setting, a line per system (and rate, cv, policy where
+  the file holds several), log-scaled n;
+- throughput and SLO attainment vs request rate: one figure per setting, a line per system and n;
+- SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy.
+A line is drawn only where its x varies (two points at least). A point measured twice counts once (the
+later line: a rerun replaces it). `plot_file` returns what it drew, figure by figure, read back from the
+figures' own lines, so a caller (or a test) sees exactly the plotted series.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+GROUP_KEYS = ("setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy")
+LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": ""}
+
+
+def read_lines(path: str | Path) -> list[dict]:
+    """Result lines of one file, a point measured again replacing its earlier line."""
+    by_point: dict[tuple, dict] = {}
+    for number, text in enumerate(Path(path).read_text().splitlines(), 1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
+        missing = [k for k in GROUP_KEYS if k not in line]
+        if missing:
+            raise ValueError(f"{path}:{number}: result line lacks {', '.join(missing)}")
+        by_point[tuple(line[k] for k in GROUP_KEYS) + (line.get("duration_s"),)] = line
+    return list(by_point.values())
+
+
+def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...]) -> dict[tuple, dict[str, list]]:
+    """{figure key: {label: sorted [(x, y)]}}, lines = every group key but x; only lines with 2+ points."""
+    line_keys = tuple(k for k in GROUP_KEYS if k != x and k not in figure_keys)
+    grouped: dict[tuple, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
+    for line in lines:
+        if line.get(y) is None:
+            continue
+        grouped[tuple(line[k] for k in figure_keys)][tuple(line[k] for k in line_keys)].append((line[x], line[y]))
+    out: dict[tuple, dict[str, list]] = {}
+    for fig, by_line in grouped.items():
+        by_line = {k: sorted(v) for k, v in by_line.items() if len({p[0] for p in v}) >= 2}
+        if not by_line:
+            continue
+        # Name each line by what tells it apart from the others in its figure.
+        varying = [i for i, k in enumerate(line_keys) if len({key[i] for key in by_line}) > 1] or [0]
+        out[fig] = {_label(line_keys, key, varying): pts for key, pts in sorted(by_line.items(), key=lambda kv: str(kv[0]))}
+    return out
+
+
+def _label(keys: tuple[str, ...], values: tuple, varying: list[int]) -> str:
+    parts = []
+    for i in varying:
+        short = LABEL_SHORT.get(keys[i], keys[i])
+        parts.append(f"{short}={values[i]:g}" if short and isinstance(values[i], (int, float)) else
+                     f"{short}={values[i]}" if short else str(values[i]))
+    return " ".join(parts)
+
+
+def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: str, logx: bool, path: Path) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
+    drawn = {}
+    for ax, (ylabel, key, series) in zip(axes[0], panels):
+        for label, pts in series.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        if logx:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        drawn[key] = {line.get_label(): list(zip(map(float, line.get_xdata()), map(float, line.get_ydata())))
+                      for line in ax.get_lines()}
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, dict]:
+    """Every figure the file's points support; {png path: {panel (y field): {label: [(x, y)]}}}."""
+    path = Path(path)
+    out_dir = Path(out_dir) if out_dir is not None else path.parent
+    lines = read_lines(path)
+    stem = path.stem
+    written: dict[str, dict] = {}
+
+    for (setting,), series in _series(lines, "n_adapters", "throughput_rps", ("setting",)).items():
+        png = out_dir / f"{stem}-throughput-vs-adapters-{setting}.png"
+        written[str(png)] = _figure([("throughput (req/s)", "throughput_rps", series)],
+                                    f"{setting}: throughput vs number of adapters", "adapters (n)", True, png)
+
+    by_rate = _series(lines, "req_rate", "throughput_rps", ("setting",))
+    slo_by_rate = _series(lines, "req_rate", "slo_attainment", ("setting",))
+    for (setting,), series in by_rate.items():
+        png = out_dir / f"{stem}-rate-{setting}.png"
+        written[str(png)] = _figure([("throughput (req/s)", "throughput_rps", series),
+                                     ("SLO attainment (first token < 6 s)", "slo_attainment",
+                                      slo_by_rate.get((setting,), {}))],
+                                    f"{setting}: throughput and SLO attainment vs request rate", "request rate R (req/s)",
+                                    False, png)
+
+    by_cv = _series(lines, "cv", "slo_attainment", ("setting",))
+    satisfaction = _series(lines, "cv", "user_satisfaction", ("setting",))
+    for (setting,), series in by_cv.items():
+        png = out_dir / f"{stem}-cv-{setting}.png"
+        panels = [("SLO attainment (first token < 6 s)", "slo_attainment", series)]
+        if (setting,) in satisfaction:
+            panels.append(("user satisfaction", "user_satisfaction", satisfaction[(setting,)]))
+        written[str(png)] = _figure(panels, f"{setting}: SLO attainment vs burstiness, by admission policy",
+                                    "arrival cv", False, png)
+    return written
+
+
+def plot_all(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
+    written: dict[str, dict] = {}
+    for path in paths:
+        written.update(plot_file(path, out_dir))
+    return written

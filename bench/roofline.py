@@ -1,0 +1,233 @@
+"""The limit a point is measured against (BENCHMARKS.md "The limit"), from ceilings measured in the same run.
+
+Ceilings (`measure_ceilings`): device-to-device copy bandwidth (bytes read + written per second, the HBM
+figure decode is bound by), a large bf16 matmul (FLOP/s, what prefill is bound by) and a pinned
+host-to-device copy (what adapter loads from the host cache are bound by). On a CPU the same measurements
+run at tiny sizes in fp32 (host memory is not pinned there), so the code path is tested without a GPU.
+
+Per request of a trace, with prompt p and output o (the first output token comes from the prefill, the
+other o - 1 from decode steps):
+- decode bytes = (o - 1) · (W / batch) + kv · Σ_{k=1}^{o-1} (p + k) + (o - 1) · A / s
+  W: the base weights every step reads (every layer's linears, norms and the LM head; not the embedding
+  table, of which a step reads one row per request), amortised over the batch; kv: KV bytes per token (all
+  layers, K and V), read for the whole context at every step; A: the bytes of the request's adapter,
+  shared by the s requests of the same adapter among the `batch` requests around it in the trace.
+- prefill FLOPs = 2·p·(base linear parameters) + 2·p·r·Σ(in + out) over adapted modules
+  + 4·q_dim·p(p + 1)/2 per layer (causal attention: scores and values) + 2·hidden·vocab (LM head, last token).
+- time = decode bytes / HBM bandwidth + prefill FLOPs / matmul rate.
+The roofline throughput of the trace is its request count over the sum of those times: the GPU does each
+request's share of work one batch after another, at best at the measured ceilings.
+
+Batch: the server's largest running batch (EngineConfig.max_running_requests, 256), capped, when the pool's
+size is known, by how many requests' KV it holds at the trace's mean context (`server_batch`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from bench.settings import Setting
+
+MAX_RUNNING = 256  # EngineConfig.max_running_requests
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    device: str
+    name: str  # GPU name (or "cpu")
+    hbm_gbs: float  # device-to-device copy, (read + written) bytes per second / 1e9
+    matmul_tflops: float
+    h2d_gbs: float  # host-to-device copy from pinned memory (a plain host copy on CPU)
+    copy_bytes: int
+    matmul_n: int
+    matmul_dtype: str
+    pinned: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _timer(device: str):
+    import torch
+
+    if device.startswith("cuda"):
+        def timed(fn, repeats: int) -> float:
+            fn()  # warm-up (allocations, kernel selection)
+            torch.cuda.synchronize(device)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            return sorted(times)[len(times) // 2]
+    else:
+        def timed(fn, repeats: int) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[len(times) // 2]
+    return timed
+
+
+def measure_ceilings(device: str = "cuda", copy_bytes: int = 0, matmul_n: int = 0, repeats: int = 0) -> Ceilings:
+    """Median of `repeats` timed runs of each measurement (sizes default to 2 GiB and 8192 on CUDA, 32 MiB
+    and 256 on CPU)."""
+    import torch
+
+    on_cuda = device.startswith("cuda")
+    if on_cuda and not torch.cuda.is_available():
+        raise RuntimeError("measure_ceilings: device cuda asked for, but no CUDA GPU is visible")
+    copy_bytes = copy_bytes or (2 * 2**30 if on_cuda else 32 * 2**20)
+    matmul_n = matmul_n or (8192 if on_cuda else 256)
+    repeats = repeats or (20 if on_cuda else 5)
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    timed = _timer(device)
+
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t_copy = timed(lambda: dst.copy_(src), repeats)
+    del src, dst
+
+    a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+    b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+    t_mm = timed(lambda: torch.mm(a, b), repeats)
+    del a, b
+
+    host = torch.empty(copy_bytes, dtype=torch.uint8)
+    if on_cuda:
+        host = host.pin_memory()  # pin_memory() raises without CUDA: only here
+        dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+        t_h2d = timed(lambda: dev.copy_(host, non_blocking=True), repeats)
+        name = torch.cuda.get_device_name(device)
+        del dev
+    else:
+        dev = torch.empty_like(host)
+        t_h2d = timed(lambda: dev.copy_(host), repeats)
+        name = "cpu"
+    del host
+    if on_cuda:
+        torch.cuda.empty_cache()
+    return Ceilings(device=device, name=name, hbm_gbs=2 * copy_bytes / t_copy / 1e9,
+                    matmul_tflops=2 * matmul_n**3 / t_mm / 1e12, h2d_gbs=copy_bytes / t_h2d / 1e9,
+                    copy_bytes=copy_bytes, matmul_n=matmul_n, matmul_dtype=str(dtype).removeprefix("torch."),
+                    pinned=on_cuda)
+
+
+# ---- model arithmetic -----------------------------------------------------------------------------------
+
+def linear_params(setting: Setting) -> int:
+    """Parameters of every layer's seven linears."""
+    from shared.model_config import MODULES
+
+    cfg = setting.model_config
+    return cfg.num_layers * sum(i * o for i, o in (cfg.module_dims(m) for m in MODULES))
+
+
+def decode_weight_bytes(setting: Setting, dtype_bytes: int = 2) -> int:
+    """Base weight bytes one decode step reads: linears, norms and the LM head (see the module doc)."""
+    cfg = setting.model_config
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    return (linear_params(setting) + norms + cfg.hidden_size * cfg.vocab_size) * dtype_bytes
+
+
+def kv_bytes_per_token(setting: Setting, dtype_bytes: int = 2) -> int:
+    cfg = setting.model_config
+    return 2 * cfg.num_layers * cfg.kv_dim * dtype_bytes
+
+
+def adapter_read_bytes(setting: Setting, rank: int, dtype_bytes: int = 2) -> int:
+    return setting.adapter_params(rank) * dtype_bytes
+
+
+@dataclass(frozen=True)
+class RequestCost:
+    weight_bytes: float  # this request's share of the base weights, over all its decode steps
+    kv_bytes: int
+    adapter_bytes: float
+    prefill_flops: int
+
+    @property
+    def decode_bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.adapter_bytes
+
+    def seconds(self, ceilings: Ceilings) -> float:
+        return self.decode_bytes / (ceilings.hbm_gbs * 1e9) + self.prefill_flops / (ceilings.matmul_tflops * 1e12)
+
+
+def request_cost(setting: Setting, prompt_len: int, output_len: int, batch: int, rank: int = 0,
+                 adapter_sharers: int = 1, dtype_bytes: int = 2) -> RequestCost:
+    """Bytes and FLOPs of one request (module doc); rank 0 = the base model; `adapter_sharers` = requests of
+    the same adapter among the batch around this one (this one included)."""
+    if batch < 1 or adapter_sharers < 1:
+        raise ValueError(f"batch and adapter_sharers must be >= 1, got {batch} and {adapter_sharers}")
+    if prompt_len < 1 or output_len < 1:
+        raise ValueError(f"prompt and output lengths must be >= 1, got {prompt_len} and {output_len}")
+    cfg = setting.model_config
+    p, steps = prompt_len, output_len - 1
+    kv_tokens = steps * p + steps * (steps + 1) // 2  # Σ_{k=1}^{o-1} (p + k)
+    attention = 4 * cfg.q_dim * (p * (p + 1) // 2) * cfg.num_layers
+    lora = 2 * p * setting.adapter_params(rank) if rank else 0
+    return RequestCost(
+        weight_bytes=steps * decode_weight_bytes(setting, dtype_bytes) / batch,
+        kv_bytes=kv_tokens * kv_bytes_per_token(setting, dtype_bytes),
+        adapter_bytes=steps * adapter_read_bytes(setting, rank, dtype_bytes) / adapter_sharers if rank else 0.0,
+        prefill_flops=2 * p * linear_params(setting) + lora + attention + 2 * cfg.hidden_size * cfg.vocab_size,
+    )
+
+
+def _sharers(trace: Sequence, batch: int) -> list[int]:
+    """For each request, how many requests of its adapter are in its batch-sized window of the trace."""
+    out = []
+    for start in range(0, len(trace), batch):
+        window = trace[start:start + batch]
+        counts: dict = {}
+        for r in window:
+            counts[r.adapter] = counts.get(r.adapter, 0) + 1
+        out += [counts[r.adapter] for r in window]
+    return out
+
+
+def _rank_of(setting: Setting, adapter: int | None, ranks: Sequence[int] | None) -> int:
+    if adapter is None:
+        return 0
+    if ranks is None:
+        return round(setting.mean_rank)
+    return int(ranks[adapter])
+
+
+def trace_seconds(setting: Setting, trace: Sequence, ceilings: Ceilings, batch: int,
+                  ranks: Sequence[int] | None = None, dtype_bytes: int = 2) -> float:
+    """Σ over the trace of each request's roofline time. `ranks[i]` is adapter i's rank (default: the
+    setting's mean rank for every adapter)."""
+    sharers = _sharers(trace, batch)
+    return sum(request_cost(setting, r.prompt_len, r.output_len, batch, _rank_of(setting, r.adapter, ranks), s,
+                            dtype_bytes).seconds(ceilings) for r, s in zip(trace, sharers))
+
+
+def roofline_rps(setting: Setting, trace: Sequence, ceilings: Ceilings, batch: int,
+                 ranks: Sequence[int] | None = None, dtype_bytes: int = 2) -> float:
+    """Requests per second the trace could be served at if every byte and FLOP ran at the ceilings."""
+    if not trace:
+        raise ValueError("roofline of an empty trace")
+    return len(trace) / trace_seconds(setting, trace, ceilings, batch, ranks, dtype_bytes)
+
+
+def roofline_fraction(throughput_rps: float, setting: Setting, trace: Sequence, ceilings: Ceilings, batch: int,
+                      ranks: Sequence[int] | None = None, dtype_bytes: int = 2) -> float:
+    return throughput_rps / roofline_rps(setting, trace, ceilings, batch, ranks, dtype_bytes)
+
+
+def server_batch(setting: Setting, trace: Sequence, max_running: int = MAX_RUNNING, pool_slots: int = 0) -> int:
+    """The running batch the roofline assumes (module doc): `max_running`, capped by the KV the pool holds
+    at the trace's mean context (prompt + half the output) when `pool_slots` is known."""
+    if not pool_slots or not trace:
+        return max_running
+    mean_context = sum(r.prompt_len + r.output_len / 2 for r in trace) / len(trace)
+    return max(1, min(max_running, int(pool_slots // mean_context)))
