@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.client import RequestRecord, _Stream, prompt_ids, run_trace
+from bench.client import STREAMS_PER_CLIENT, RequestRecord, _Clients, _Stream, prompt_ids, run_trace
 from bench.workload import TraceRequest, make_trace
 from services.gateway.sse import DONE, event
 from shared.probes import free_port, metric
@@ -47,9 +47,10 @@ def test_trace_is_served_and_recorded(core_stack):
 
 
 def test_arrivals_are_sent_whatever_the_server_is_doing(core_stack):
-    # 16 requests arrive at once, each taking the server a good fraction of a second: all are sent before
-    # any has finished (a closed-loop or capped client would wait for answers).
-    trace = [TraceRequest(i, 0.0, i % 4, 16, 64) for i in range(16)]
+    # 24 requests arrive at once (more than one AsyncClient carries), each taking the server a good
+    # fraction of a second: all are sent before any has finished (a closed-loop or capped client would
+    # wait for answers).
+    trace = [TraceRequest(i, 0.0, i % 4, 16, 64) for i in range(STREAMS_PER_CLIENT + 8)]
     recs = asyncio.run(run_trace(core_stack.url, trace, demo_model_for, VOCAB_SIZE, progress=False, processes=1))
     check_complete(recs, trace)
     assert max(r.sent_s for r in recs) < min(r.finish_s for r in recs)
@@ -82,6 +83,16 @@ def test_failures_are_recorded_per_request(core_stack):
     # Out-of-vocabulary prompt ids: the server's 400 names the problem in every record.
     recs = asyncio.run(run_trace(core_stack.url, trace[:2], demo_model_for, 10**6, progress=False, processes=1))
     assert all(r.status == 400 and "out of range" in r.error for r in recs)
+
+
+def test_streams_pack_onto_few_clients():
+    made = []
+    clients = _Clients(lambda: made.append(object()) or made[-1])
+    first = [clients.acquire() for _ in range(STREAMS_PER_CLIENT + 1)]
+    assert first == [0] * STREAMS_PER_CLIENT + [1] and len(made) == 2
+    clients.release(0)
+    assert clients.acquire() == 0 and len(made) == 2  # a freed place on the first client is reused
+    assert clients.acquire() == 1
 
 
 def test_unreachable_server_fails_each_request_not_the_run():
