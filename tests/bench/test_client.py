@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.client import STREAMS_PER_CLIENT, RequestRecord, _Clients, _Stream, prompt_ids, run_trace
+from bench.client import STREAMS_PER_CLIENT, RequestRecord, _Clients, _Stream, auto_processes, prompt_ids, run_trace
 from bench.workload import TraceRequest, make_trace
 from services.gateway.sse import DONE, event
 from shared.probes import free_port, metric
@@ -93,6 +93,15 @@ def test_streams_pack_onto_few_clients():
     clients.release(0)
     assert clients.acquire() == 0 and len(made) == 2  # a freed place on the first client is reused
     assert clients.acquire() == 1
+
+
+def test_client_processes_follow_the_offered_token_rate(monkeypatch):
+    heavy = make_trace(100, 1.0, 40.0, 1.0, 60.0, seed=0)  # ~40 req/s of ~260 tokens: ~10k tokens/s
+    light = make_trace(100, 1.0, 2.0, 1.0, 60.0, seed=0)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert auto_processes(heavy) == 5 and auto_processes(light) == 1
+    monkeypatch.setattr("os.cpu_count", lambda: 2)  # a small machine keeps the one event loop
+    assert auto_processes(heavy) == 1
 
 
 def test_unreachable_server_fails_each_request_not_the_run():
