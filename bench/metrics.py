@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import httpx
 import numpy as np
@@ -271,4 +271,4 @@ class ServerSampler:
 
 
 def _int(v: float | None) -> int | None:
-    return None if v is None else int(round(v))
+    return None if v is None else round(v)

@@ -6,13 +6,13 @@ import dataclasses
 import datetime
 import json
 import shlex
-import subprocess
 import shutil
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from bench.client import RequestRecord, run_trace
 from bench.metrics import ServerSampler, summarize
