@@ -104,11 +104,11 @@
     const { name, tenant } = selected;
     try {
       await LP.api(`/v1/adapters/${encodeURIComponent(name)}?tenant=${encodeURIComponent(tenant)}`, { method: "DELETE" });
-      banner("ok", `Deleted ${tenant ? tenant + "/" : ""}${name}.`);
       selected = null;
       $("card-body").classList.add("hidden");
       $("card-empty").classList.remove("hidden");
       await load();
+      banner("ok", `Deleted ${tenant ? tenant + "/" : ""}${name}.`);
     } catch (error) {
       if (!LP.keyProblem(error)) banner("error", `Cannot delete ${name}: ${error.message}`);
     }
