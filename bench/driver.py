@@ -6,15 +6,21 @@ Points that need the same server form a group (setting, system and policy; and n
 holds exactly its n adapters): a group's stack is started once, registers the largest n of its points, and
 runs them all.
 
-A piece (`run_piece`) measures the ceilings, then walks the groups with points still missing from the
-results file (docs/bench/<sweep>.jsonl, one JSON line per point, appended as each point ends) and stops
-before its budget: a stack is started only if its startup and one point fit in what is left, and a further
-point only if it fits (estimates: the spec's, raised to what this host has taken so far, kept in the work
-dir). The first point after a start always runs: a start slower than estimated must not leave every piece
-starting a stack and measuring nothing. Adapter generation and registration also stop at the budget and
-continue in the next piece (the stack's Redis keeps what was registered). Running the same command again
-resumes; a point already in the results file is never run again. Exit status: 0 when every point is in the
-file, 3 when more pieces are needed.
+A piece (`run_piece`) plans, from estimates, which of the points still missing from the results file
+(docs/bench/<sweep>.jsonl, one JSON line per point, appended as each point ends) fit in its budget: a stack
+only if its startup, one point and its stop fit, a further point only if it fits. Estimates are the spec's,
+raised to the longest this host has taken so far (timings.json in the work dir), so a piece's share does not
+depend on how fast it happens to run; while running, a point after the first of a stack is also skipped if
+the clock says it would overrun. The first point after a start always runs: a start slower than estimated
+must not leave every piece starting a stack and measuring nothing. Adapter generation and registration stop
+at the budget too and continue in the next piece (the stack's Redis keeps what was registered). Running the
+same command again resumes; a point already in the results file is never run again. Exit status of the
+command: 0 when every point is in the file, 3 when more pieces are needed.
+
+The work dir (default data/bench, git-ignored) is shared by every sweep: models/ (config and tokenizer per
+base), adapters/<setting>-s<seed>/ (one population per setting and seed), data/<setting>-s<seed>/ (the
+stacks' data dir: registry and blobs of that population), logs/, records/<sweep>/ (per-request records of
+each point), peft-views/ and timings.json.
 """
 from __future__ import annotations
 
@@ -280,17 +286,17 @@ class Driver:
              f"budget {self.budget_s:g} s")
         if not pending:
             return result
+        planned, result.stopped_for = self.plan(pending)
+        if not planned:
+            if self.elapsed() < 0.1 * self.budget_s:  # a fresh piece cannot fit it: no piece ever will
+                raise ValueError(f"sweep {self.spec.name}: {result.stopped_for}, in a fresh piece of "
+                                 f"{self.budget_s:g} s; raise --budget-s or shorten the points")
+            return result
         ceilings = measure_ceilings_apart(self.spec.device) if self.roofline else None
         if ceilings:
             note(f"ceilings on {ceilings['name']}: copy {ceilings['hbm_gbs']:.0f} GB/s, matmul "
                  f"{ceilings['matmul_tflops']:.1f} TFLOP/s, host-to-device {ceilings['h2d_gbs']:.1f} GB/s")
-        for (_, system, n, policy), group in pending:
-            first = group[0]
-            need = self.startup_estimate(system) + self.point_estimate(first) + self.spec.stop_s
-            if need > self.left():
-                result.stopped_for = (f"a {system} stack and its first point need ~{need:.0f} s, {self.left():.0f} s "
-                                      f"of the budget are left")
-                break
+        for (_, system, _, policy), group in planned:
             n = max(p.n_adapters for p in group) if system != "base-only" else 0
             population = None
             if system in ADAPTER_SYSTEMS and n > 0:
@@ -304,6 +310,28 @@ class Driver:
                 break
         result.remaining = remaining - len(result.ran)
         return result
+
+    def plan(self, pending: list[tuple[tuple, list]]) -> tuple[list[tuple[tuple, list]], str]:
+        """The stacks and points this piece takes on, packed into the budget by the estimates (so a piece's
+        share of a sweep does not depend on how fast it happens to go), and why the rest waits."""
+        used = self.elapsed()
+        planned: list[tuple[tuple, list]] = []
+        for key, group in pending:
+            system = key[1]
+            need = self.startup_estimate(system) + self.spec.stop_s + self.point_estimate(group[0])
+            if used + need > self.budget_s:
+                return planned, (f"a {system} stack and its first point need ~{need:.0f} s; "
+                                 f"~{self.budget_s - used:.0f} s of the budget are left by the plan")
+            used += need
+            taken = [group[0]]
+            for p in group[1:]:
+                if used + self.point_estimate(p) > self.budget_s:
+                    planned.append((key, taken))
+                    return planned, f"the next point needs ~{self.point_estimate(p):.0f} s more than the budget holds"
+                used += self.point_estimate(p)
+                taken.append(p)
+            planned.append((key, taken))
+        return planned, ""
 
     def run_group(self, system: str, n: int, policy: str, population, group: list, ceilings: dict | None,
                   result: PieceResult) -> str:

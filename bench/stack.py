@@ -114,7 +114,7 @@ class Stack:
         self.registration: Registration | None = None
         self.startup_s = 0.0
         self.left_behind: list[int] = []  # processes that outlived the stop (killed; tests check it stays empty)
-        self._pids: set[int] = set()
+        self.pids: set[int] = set()
         logs = config.work_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"{config.setting.name}-{config.system}-{self.port}.log"
@@ -150,6 +150,8 @@ class Stack:
         if c.system == "peft":
             argv = [sys.executable, "-m", "bench.baselines.peft_server", "--dummy-weights", model,
                     "--adapters-dir", str(self.peft_view()), "--port", str(self.port)]
+            if c.device:
+                argv += ["--device", c.device]
             return argv + list(c.extra_args)
         argv = [sys.executable, "-m", "shared.cli", "up", "--dummy-weights", model, "--data-dir", str(self.data_dir()),
                 "--port", str(self.port), "--drain-timeout-s", "5", "--ready-timeout-s", f"{c.ready_timeout_s:g}"]
@@ -222,7 +224,7 @@ class Stack:
         deadline = started + self.config.ready_timeout_s
         next_note = started + 10.0
         while True:
-            self._pids.update(descendants(self.proc.pid))
+            self.pids.update(descendants(self.proc.pid))
             try:
                 if httpx.get(self.url + path, timeout=2.0).status_code == 200:
                     return
@@ -258,7 +260,7 @@ class Stack:
         the server ever started is made sure to be gone, and a store's arena left by a kill is unlinked."""
         if self.proc is None:
             return
-        self._pids.update(descendants(self.proc.pid))
+        self.pids.update(descendants(self.proc.pid))
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -268,12 +270,12 @@ class Stack:
                 self.proc.wait(10)
         # Children die with the launcher (parent-death signal); give them a moment, then make sure.
         deadline = time.monotonic() + 15.0
-        while (left := [p for p in self._pids if alive(p)]) and time.monotonic() < deadline:
+        while (left := [p for p in self.pids if alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.1)
         if left:
             self.left_behind = left
             self._kill(left)
-        for pid in self._pids:
+        for pid in self.pids:
             segment = Path(f"/dev/shm/loraplex-arena-{pid}")
             if segment.exists():
                 segment.unlink(missing_ok=True)

@@ -1,0 +1,76 @@
+"""`loraplex bench`: every action explains itself, refuses bad input by name, and does its job on a CPU."""
+import json
+
+import pytest
+
+from bench.cli import main
+from shared.cli import COMMANDS
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_is_a_loraplex_command():
+    assert COMMANDS["bench"][0] == "bench.cli:main"
+
+
+def test_help_explains_every_action(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for action in ("run", "sweep", "plot", "roofline", "adapters"):
+        assert action in out
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    out = capsys.readouterr().out
+    assert "--budget-s" in out and "again" in out
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    assert "--policy" in capsys.readouterr().out
+
+
+def test_roofline_on_a_cpu_prints_ceilings_and_throughput(capsys):
+    code, out, _ = run(capsys, "roofline", "--setting", "tiny", "--device", "cpu", "--n", "4", "--rate", "5",
+                       "--duration-s", "10", "--batch", "8", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["setting"] == "tiny" and result["batch"] == 8 and result["roofline_rps"] > 0
+    assert result["ceilings"]["device"] == "cpu" and result["ceilings"]["hbm_gbs"] > 0
+
+
+def test_adapters_writes_a_population(capsys, tmp_path):
+    code, out, _ = run(capsys, "adapters", "tiny", "--n", "5", "--dir", str(tmp_path / "pop"), "--budget-gb", "0.0001")
+    assert code == 0 and "5 adapters" in out
+    assert sorted(p.name for p in (tmp_path / "pop").iterdir() if p.is_dir()) == [f"adapter-0000{i}" for i in range(5)]
+
+
+def test_plot_writes_pngs(capsys, tmp_path):
+    rows = [{"setting": "S1", "system": "loraplex", "n_adapters": n, "alpha": 1.0, "req_rate": 40.0, "cv": 1.0,
+             "policy": "early-abort", "throughput_rps": 8.0 - n / 1000} for n in (5, 100)]
+    (tmp_path / "s1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, _ = run(capsys, "plot", str(tmp_path / "s1.jsonl"))
+    assert code == 0 and "s1-throughput-vs-adapters-S1.png (1 lines)" in out
+    assert (tmp_path / "s1-throughput-vs-adapters-S1.png").is_file()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["roofline", "--setting", "S3", "--device", "cpu"], "unknown setting 'S3'"),
+    (["run", "--setting", "tiny", "--rate", "1", "--system", "vllm"], "unknown system 'vllm'"),
+    (["sweep", "no-such-spec.yaml"], "no-such-spec.yaml"),
+])
+def test_bad_input_is_refused_by_name(capsys, tmp_path, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err
+
+
+def test_sweep_dry_run_lists_what_remains(capsys, tmp_path):
+    spec = tmp_path / "dry.yaml"
+    spec.write_text("setting: S2\nsystems: [loraplex, bmm]\nn: [5, 100]\nrates: [40]\n")
+    code, out, _ = run(capsys, "sweep", str(spec), "--dry-run", "--out-dir", str(tmp_path))
+    assert code == 0
+    assert "stack S2/loraplex/None/early-abort: 0 done, 2 to run" in out
+    assert "S2/bmm/n=100/alpha=1/R=40/cv=1/early-abort/d=120/seed=0" in out

@@ -1,0 +1,117 @@
+"""The sweep driver: a spec expanded to points grouped by stack, pieces planned into a wall-time budget, one
+JSON line per point, resumable without running a point twice. The two-piece sweep runs the real command
+(`loraplex bench sweep`) against real tiny stacks on the CPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.driver import Driver, SweepSpec, expand, groups, point_key
+
+REPO = Path(__file__).resolve().parents[2]
+
+TWO_POINTS = {
+    "name": "tiny-two", "setting": "tiny", "systems": ["loraplex"], "n": [2, 3], "rates": [3],
+    "duration_s": 3, "warmup_s": 0.5, "prompt_range": [4, 12], "output_range": [2, 6], "device": "cpu",
+    # Estimates that fit one point in a 60 s piece and not two: 1 s start + 1 s stop + 43 s per point.
+    "startup_s": 1, "point_tail_s": 40, "stop_s": 1, "request_timeout_s": 60,
+}
+
+
+def sweep(spec_path: Path, work: Path, out: Path, budget: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "shared.cli", "bench", "sweep", str(spec_path), "--budget-s",
+                           str(budget), "--work-dir", str(work), "--out-dir", str(out), "--quiet"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def results(out: Path) -> list[dict]:
+    path = out / "tiny-two.jsonl"
+    return [json.loads(t) for t in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_two_point_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
+    spec_path = tmp_path / "tiny-two.yaml"
+    spec_path.write_text(yaml.safe_dump(TWO_POINTS))
+    work, out = tmp_path / "work", tmp_path / "out"
+
+    first = sweep(spec_path, work, out, budget=60)
+    assert first.returncode == 3, first.stdout + first.stderr
+    assert "run the same command again" in first.stdout
+    lines = results(out)
+    assert [x["n_adapters"] for x in lines] == [2]
+    stacks_started = len(list((work / "logs").iterdir()))
+    assert stacks_started == 1
+
+    second = sweep(spec_path, work, out, budget=200)
+    assert second.returncode == 0, second.stdout + second.stderr
+    lines = results(out)
+    assert [x["n_adapters"] for x in lines] == [2, 3]
+    assert len({x["key"] for x in lines}) == 2
+
+    third = sweep(spec_path, work, out, budget=200)
+    assert third.returncode == 0 and "0 points measured" in third.stdout
+    assert len(results(out)) == 2 and len(list((work / "logs").iterdir())) == 2  # no stack started
+
+    for x in lines:
+        assert x["setting"] == "tiny" and x["system"] == "loraplex" and x["policy"] == "early-abort"
+        assert x["n_completed"] > 0 and x["throughput_rps"] > 0
+        assert 0 < x["roofline_fraction"] == pytest.approx(x["throughput_rps"] / x["roofline_rps"])
+        assert x["ceilings"]["device"] == "cpu" and x["gpu"] == "cpu"
+        assert x["command"].startswith("loraplex bench sweep") and "--budget-s" in x["command"]
+        assert "scheduler.queue_order=auto" in x["stack_command"]
+    # The second piece's stack found the first's registrations in the data dir and added the third adapter.
+    assert (lines[0]["registration"]["created"], lines[0]["registration"]["already"]) == (2, 0)
+    assert (lines[1]["registration"]["created"], lines[1]["registration"]["already"]) == (1, 2)
+    assert (work / "records" / "tiny-two").is_dir()
+
+
+def test_spec_expands_to_points_grouped_by_stack():
+    spec = SweepSpec.from_dict({"name": "x", "setting": "S2", "systems": ["loraplex", "base-only", "peft"],
+                                "n": [5, 100], "rates": [10, 20], "cvs": 1, "policies": ["early-abort", "fcfs"]})
+    points = expand(spec)
+    assert len(points) == 3 * 2 * 2 * 2
+    keys = [key for key, _ in groups(points)]
+    # loraplex and base-only: one stack per policy for every n; peft: one per n as well.
+    assert keys == [("S2", "loraplex", None, "early-abort"), ("S2", "loraplex", None, "fcfs"),
+                    ("S2", "base-only", None, "early-abort"), ("S2", "base-only", None, "fcfs"),
+                    ("S2", "peft", 5, "early-abort"), ("S2", "peft", 5, "fcfs"),
+                    ("S2", "peft", 100, "early-abort"), ("S2", "peft", 100, "fcfs")]
+    assert len({point_key(p) for p in points}) == len(points)
+
+
+def test_plan_packs_stacks_and_points_into_the_budget(tmp_path):
+    spec = SweepSpec.from_dict({"name": "x", "setting": "S2", "systems": ["loraplex", "bmm"], "n": [5, 100],
+                                "rates": [10], "duration_s": 100, "startup_s": 50, "point_tail_s": 20, "stop_s": 10})
+    driver = Driver(spec, tmp_path / "work", tmp_path / "x.jsonl", budget_s=400, progress=False)
+    planned, why = driver.plan(groups(expand(spec)))
+    # loraplex: 50 + 10 + 120 + 120 = 300; bmm's stack and first point would need 180 more.
+    assert [(key[1], [p.n_adapters for p in pts]) for key, pts in planned] == [("loraplex", [5, 100])]
+    assert "bmm stack" in why
+    # A host that has been slower raises the estimates: then one point fits.
+    driver.timings.note("point_tail", "S2/loraplex", 200.0)
+    planned, why = driver.plan(groups(expand(spec)))
+    assert [[p.n_adapters for p in pts] for _, pts in planned] == [[5]] and "next point" in why
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"setting": "S2", "systems": ["loraplex"], "n": [5], "rates": [10], "colour": "red"}, "unknown sweep field"),
+    ({"setting": "S2", "systems": ["vllm"], "n": [5], "rates": [10]}, "unknown system"),
+    ({"setting": "S2", "systems": ["loraplex"], "n": [5], "rates": [10], "policies": ["sjf"]}, "admission policy"),
+    ({"setting": "S2", "systems": ["loraplex"], "n": [5]}, "lacks rates"),
+    ({"setting": "S2", "systems": ["loraplex"], "n": [5], "rates": [10], "warmup_s": 200}, "warmup_s"),
+])
+def test_bad_specs_are_refused_naming_the_problem(values, message):
+    with pytest.raises(ValueError, match=message):
+        SweepSpec.from_dict(values, default_name="bad")
+
+
+def test_every_shipped_spec_loads():
+    for path in sorted((REPO / "bench" / "sweeps").glob("*.yaml")):
+        spec = SweepSpec.load(path)
+        assert spec.name == path.stem and expand(spec)

@@ -1,0 +1,69 @@
+"""Figures from result lines: each figure's lines are the series the file's points support."""
+import json
+
+import pytest
+
+from bench.plots import plot_file, read_lines
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def line(system="loraplex", n=100, rate=20.0, cv=1.0, policy="early-abort", setting="S2", **figures):
+    out = {"setting": setting, "system": system, "n_adapters": n, "alpha": 1.0, "req_rate": rate, "cv": cv,
+           "policy": policy, "duration_s": 120.0, "throughput_rps": 1.0, "slo_attainment": 1.0,
+           "user_satisfaction": 0.9}
+    out.update(figures)
+    return out
+
+
+def write(path, lines):
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_throughput_vs_adapters_has_a_line_per_system(tmp_path):
+    lines = [line("loraplex", n, throughput_rps=10.0 - n / 1000) for n in (5, 100, 1000)]
+    lines += [line("bmm", n, throughput_rps=5.0 / (1 + n / 100)) for n in (5, 100)]
+    lines += [line("peft", 5, throughput_rps=0.8)]  # one point: no line to draw
+    lines += [line("loraplex", 100, throughput_rps=9.5)]  # a rerun replaces the earlier measurement
+    drawn = plot_file(write(tmp_path / "sat.jsonl", lines), tmp_path / "png")
+    png = str(tmp_path / "png" / "sat-throughput-vs-adapters-S2.png")
+    assert list(drawn) == [png]
+    assert open(png, "rb").read(8) == PNG_MAGIC
+    assert drawn[png]["throughput_rps"] == {
+        "bmm": [(5.0, pytest.approx(5 / 1.05)), (100.0, 2.5)],
+        "loraplex": [(5.0, 9.995), (100.0, 9.5), (1000.0, 9.0)],
+    }
+
+
+def test_rate_sweep_draws_throughput_and_slo_attainment(tmp_path):
+    lines = [line(rate=r, n=200, throughput_rps=min(r, 12.0), slo_attainment=1.0 if r <= 12 else 0.5)
+             for r in (4.0, 8.0, 12.0, 16.0)]
+    drawn = plot_file(write(tmp_path / "rate.jsonl", lines))
+    png = str(tmp_path / "rate-rate-S2.png")
+    assert list(drawn) == [png] and open(png, "rb").read(8) == PNG_MAGIC
+    assert drawn[png]["throughput_rps"] == {"loraplex": [(4.0, 4.0), (8.0, 8.0), (12.0, 12.0), (16.0, 12.0)]}
+    assert drawn[png]["slo_attainment"] == {"loraplex": [(4.0, 1.0), (8.0, 1.0), (12.0, 1.0), (16.0, 0.5)]}
+
+
+def test_cv_sweep_draws_a_line_per_policy(tmp_path):
+    lines = []
+    for policy, base in (("early-abort", 0.8), ("fcfs", 0.3), ("lcfs", 0.5)):
+        lines += [line(policy=policy, cv=cv, rate=16.0, slo_attainment=base / cv, user_satisfaction=base / cv / 2)
+                  for cv in (1.0, 2.0, 4.0, 8.0)]
+    drawn = plot_file(write(tmp_path / "cv.jsonl", lines))
+    png = str(tmp_path / "cv-cv-S2.png")
+    assert list(drawn) == [png] and open(png, "rb").read(8) == PNG_MAGIC
+    assert set(drawn[png]["slo_attainment"]) == {"early-abort", "fcfs", "lcfs"}
+    assert drawn[png]["slo_attainment"]["fcfs"] == [(1.0, 0.3), (2.0, 0.15), (4.0, 0.075), (8.0, 0.0375)]
+    assert drawn[png]["user_satisfaction"]["early-abort"][0] == (1.0, 0.4)
+
+
+def test_bad_lines_name_the_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(line()) + "\n{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        read_lines(bad)
+    bad.write_text(json.dumps({"setting": "S2"}) + "\n")
+    with pytest.raises(ValueError, match="lacks system"):
+        read_lines(bad)

@@ -1,0 +1,97 @@
+"""The roofline: ceilings measured here (tiny sizes on a CPU), and per-request bytes and FLOPs that follow the
+model's geometry exactly (BENCHMARKS.md "The limit")."""
+import math
+
+import pytest
+
+from bench.roofline import (
+    Ceilings, decode_weight_bytes, kv_bytes_per_token, measure_ceilings, request_cost, roofline_fraction,
+    roofline_rps, server_batch, trace_seconds,
+)
+from bench.settings import get_setting
+from bench.workload import TraceRequest
+
+S2 = get_setting("S2")
+TINY = get_setting("tiny")
+# Round figures (an H200's order of magnitude) so expected times can be written out by hand.
+CEIL = Ceilings(device="cuda", name="test", hbm_gbs=4000.0, matmul_tflops=800.0, h2d_gbs=50.0, copy_bytes=0,
+                matmul_n=0, matmul_dtype="bfloat16", pinned=True)
+
+
+def req(i, prompt, output, adapter=None):
+    return TraceRequest(index=i, arrival_s=float(i), adapter=adapter, prompt_len=prompt, output_len=output)
+
+
+def test_ceilings_are_measured_on_a_cpu_too():
+    c = measure_ceilings("cpu", copy_bytes=4 * 2**20, matmul_n=64, repeats=3)
+    assert c.device == "cpu" and c.name == "cpu" and not c.pinned and c.matmul_dtype == "float32"
+    for value in (c.hbm_gbs, c.matmul_tflops, c.h2d_gbs):
+        assert math.isfinite(value) and value > 0
+    assert c.as_dict()["copy_bytes"] == 4 * 2**20
+
+
+def test_kv_and_weight_bytes_follow_the_geometry():
+    # Llama-2-7B: 32 layers x (K + V) x 4096 wide x 2 bytes per token.
+    assert kv_bytes_per_token(S2) == 32 * 2 * 4096 * 2
+    linears = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    assert decode_weight_bytes(S2) == 2 * (linears + (2 * 32 + 1) * 4096 + 4096 * 32000)
+
+
+def test_doubling_the_context_adds_exactly_the_kv_it_reads():
+    base = request_cost(S2, 200, 101, batch=64)
+    doubled = request_cost(S2, 400, 101, batch=64)
+    # 100 decode steps, each reading 200 more tokens of KV.
+    assert doubled.kv_bytes - base.kv_bytes == 100 * 200 * kv_bytes_per_token(S2)
+    assert doubled.weight_bytes == base.weight_bytes
+    # Σ_{k=1}^{100} (200 + k) tokens at 512 KiB each.
+    assert base.kv_bytes == (100 * 200 + 100 * 101 // 2) * 524288
+    longer = request_cost(S2, 200, 201, batch=64)
+    assert longer.kv_bytes == (200 * 200 + 200 * 201 // 2) * 524288
+    assert longer.weight_bytes == pytest.approx(2 * base.weight_bytes)
+
+
+def test_weights_and_adapters_are_shared_by_the_batch():
+    one = request_cost(S2, 100, 11, batch=1, rank=16)
+    many = request_cost(S2, 100, 11, batch=128, rank=16, adapter_sharers=4)
+    assert many.weight_bytes == pytest.approx(one.weight_bytes / 128)
+    assert many.adapter_bytes == pytest.approx(one.adapter_bytes / 4)
+    assert one.adapter_bytes == 10 * S2.adapter_bytes(16)  # 10 decode steps read the whole adapter
+    assert request_cost(S2, 100, 11, batch=1).adapter_bytes == 0  # the base model reads no adapter
+
+
+def test_prefill_flops_grow_linearly_in_the_linears_and_quadratically_in_attention():
+    cfg = S2.model_config
+    f1 = request_cost(S2, 100, 2, batch=1, rank=8).prefill_flops
+    f2 = request_cost(S2, 200, 2, batch=1, rank=8).prefill_flops
+    attention = lambda p: 4 * cfg.q_dim * p * (p + 1) // 2 * cfg.num_layers  # noqa: E731
+    lm_head = 2 * cfg.hidden_size * cfg.vocab_size
+    assert f2 - 2 * f1 == attention(200) - 2 * attention(100) - lm_head
+
+
+def test_roofline_of_a_trace_is_requests_over_summed_times():
+    trace = [req(0, 100, 11, adapter=0), req(1, 100, 11, adapter=0), req(2, 300, 51, adapter=1)]
+    ranks = [8, 64]
+    # Batch 2: the first two requests share adapter 0 in their window; the third is alone with adapter 1.
+    costs = [request_cost(S2, 100, 11, 2, 8, 2), request_cost(S2, 100, 11, 2, 8, 2), request_cost(S2, 300, 51, 2, 64, 1)]
+    by_hand = sum(c.decode_bytes / 4000e9 + c.prefill_flops / 800e12 for c in costs)
+    assert trace_seconds(S2, trace, CEIL, 2, ranks) == pytest.approx(by_hand)
+    rps = roofline_rps(S2, trace, CEIL, 2, ranks)
+    assert rps == pytest.approx(3 / by_hand)
+    assert roofline_fraction(rps / 4, S2, trace, CEIL, 2, ranks) == pytest.approx(0.25)
+    # Twice the bandwidth and the matmul rate: twice the roofline.
+    faster = Ceilings(**{**CEIL.as_dict(), "hbm_gbs": 8000.0, "matmul_tflops": 1600.0})
+    assert roofline_rps(S2, trace, faster, 2, ranks) == pytest.approx(2 * rps)
+
+
+def test_batch_is_the_servers_capped_by_the_pool():
+    trace = [req(i, 100, 100) for i in range(10)]  # mean context 150 tokens
+    assert server_batch(S2, trace) == 256
+    assert server_batch(S2, trace, pool_slots=150 * 40) == 40
+    assert server_batch(S2, trace, max_running=16, pool_slots=10**6) == 16
+
+
+def test_bad_requests_are_refused():
+    with pytest.raises(ValueError, match="batch"):
+        request_cost(TINY, 10, 10, batch=0)
+    with pytest.raises(ValueError, match="empty trace"):
+        roofline_rps(TINY, [], CEIL, 4)
