@@ -10,21 +10,23 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bench.baselines.grouping import BatchLog, GroupingQueue, PendingRequest, QueueClosed
 from services.gateway.detokenize import IncrementalDetokenizer
 from services.gateway.errors import ApiError, bad_request
 from services.gateway.generation import Usage
-from services.gateway.inference import STREAM_HEADERS, _Shape, read_body
+from services.gateway.inference import STREAM_HEADERS, EventStream, _Shape, read_body
 from services.gateway.sse import DONE, event
 from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.validation import (
@@ -49,10 +51,10 @@ class PeftService:
     batches: BatchLog
     tokenizer: ModelTokenizer | None = None
     default_max_tokens: int = 16
-    cache_stats: object = dict  # () -> AdapterCache.stats()
-    running: object = lambda: 0  # () -> requests in the batch on the GPU
-    gpu_memory: object = dict  # () -> {"allocated": bytes, ...} or {}
-    log: object = field(default_factory=lambda: get_logger("peft_baseline"))
+    cache_stats: Callable[[], dict] = dict  # AdapterCache.stats
+    running: Callable[[], int] = lambda: 0  # requests in the batch on the GPU now
+    gpu_memory: Callable[[], dict] = dict  # {"allocated": bytes, ...}, or {} off CUDA
+    log: Any = field(default_factory=lambda: get_logger("peft_baseline"))
 
     def resolve_model(self, name: str) -> str | None:
         if name == self.base_name:
@@ -104,16 +106,20 @@ async def completions(request: Request) -> Response:
         raise ApiError(503, str(e), None, "shutting_down", retry_after=1) from None
     shape = _Shape(rid, req.model, False, int(time.time()))
     detok = IncrementalDetokenizer(svc.tokenizer.tokenizer) if svc.tokenizer is not None else None
-    tokens = _Tokens(pending, events, detok, Usage(len(prompt)))
+    # The body has been read, so the request's next ASGI message is its disconnect: watching for it lets a
+    # request whose client gave up (a load client's timeout) leave the queue instead of running later.
+    watcher = asyncio.create_task(_watch_disconnect(request, events))
+    tokens = _Tokens(pending, events, detok, Usage(len(prompt)), watcher)
     if req.stream:
-        return StreamingResponse(_sse(shape, tokens, req.include_usage), media_type="text/event-stream",
-                                 headers=STREAM_HEADERS)
+        return EventStream(_sse(shape, tokens, req.include_usage), headers=STREAM_HEADERS)
     texts, reason = [], None
     try:
         async for text, reason in tokens:
             texts.append(text)
     except _Failed as e:
         return ApiError(500, str(e), None, "generation_failed").response()
+    except _ClientGone:
+        return Response(status_code=499)
     finally:
         tokens.close()
     return JSONResponse(shape.full("".join(texts), reason, tokens.usage.as_dict()))
@@ -123,11 +129,26 @@ class _Failed(Exception):
     pass
 
 
+class _ClientGone(Exception):
+    pass
+
+
+_GONE = object()  # put on a request's event queue when its client disconnects
+
+
+async def _watch_disconnect(request: Request, events: asyncio.Queue) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            events.put_nowait(_GONE)
+            return
+
+
 class _Tokens:
     """The request's (text, finish_reason) per generated token; closing it early cancels the request."""
 
-    def __init__(self, pending: PendingRequest, events: asyncio.Queue, detok, usage: Usage):
-        self.pending, self.events, self.detok, self.usage = pending, events, detok, usage
+    def __init__(self, pending: PendingRequest, events: asyncio.Queue, detok, usage: Usage, watcher: asyncio.Task):
+        self.pending, self.events, self.detok, self.usage, self.watcher = pending, events, detok, usage, watcher
         self.done = False  # set here, on the loop: the worker's `finished` runs ahead of delivery
 
     def __aiter__(self):
@@ -137,6 +158,9 @@ class _Tokens:
         if self.done:
             raise StopAsyncIteration
         item = await self.events.get()
+        if item is _GONE:
+            self.close()
+            raise _ClientGone()
         if isinstance(item, str):
             self.done = True
             raise _Failed(item)
@@ -153,7 +177,9 @@ class _Tokens:
     def close(self) -> None:
         # A client that leaves before its batch starts is dropped from the queue; one that leaves
         # mid-batch stops receiving (its row runs on with the batch, as in a padded batch it must).
+        self.watcher.cancel()
         if not self.done:
+            self.done = True
             self.pending.cancelled = True
 
 
@@ -168,6 +194,8 @@ async def _sse(shape: _Shape, tokens: _Tokens, include_usage: bool):
             yield event({"error": {"message": str(e), "type": "server_error", "param": None,
                                    "code": "generation_failed"}})
             yield DONE
+            return
+        except _ClientGone:
             return
         if include_usage:
             yield event(shape.usage_chunk(tokens.usage.as_dict()))

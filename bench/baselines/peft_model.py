@@ -121,7 +121,7 @@ class AdapterCache:
         folder = str(self.adapters[name])
         # Adapter weights in the base model's dtype (PEFT would upcast them to fp32 by default), loaded
         # straight into place without a random init first.
-        kw = dict(autocast_adapter_dtype=False, low_cpu_mem_usage=True)
+        kw = {"autocast_adapter_dtype": False, "low_cpu_mem_usage": True}
         if self.peft is None:
             self.peft = PeftModel.from_pretrained(self.base, folder, adapter_name=name, **kw)
             self.peft.eval()

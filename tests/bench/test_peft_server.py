@@ -47,7 +47,7 @@ class PeftServer:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
-    def wait_ready(self) -> "PeftServer":
+    def wait_ready(self) -> PeftServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
@@ -70,6 +70,15 @@ class PeftServer:
 
     def stats(self) -> dict:
         return httpx.get(self.url + "/stats", timeout=10.0).json()
+
+    def idle_stats(self, timeout_s: float = 10.0) -> dict:
+        """/stats once nothing runs or waits: a batch's record is written just after its last token is sent."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if (stats["running"] == 0 and stats["queue_depth"] == 0) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -306,7 +315,7 @@ def test_requests_are_grouped_one_adapter_per_batch_oldest_first(main_server, re
             ids.append(events[0]["id"])
             texts.append("".join(e["choices"][0]["text"] for e in events[:-1]))
     assert running["queue_depth"] == len(order), "the blocker ended before every request was queued"
-    groups = [b for b in main_server.stats()["batches"] if set(b["request_ids"]) & set(ids)]
+    groups = [b for b in main_server.idle_stats()["batches"] if set(b["request_ids"]) & set(ids)]
     assert [(b["adapter"], b["request_ids"]) for b in groups] == [
         (A0, [ids[0], ids[2], ids[4], ids[6]]),  # oldest waiting is A0: its first max_batch requests
         (A1, [ids[1], ids[3], ids[5]]),  # then the oldest left is A1's
@@ -315,6 +324,26 @@ def test_requests_are_grouped_one_adapter_per_batch_oldest_first(main_server, re
     assert all(b["prompt_lens"] == [len(prompts[ids.index(r)]) for r in b["request_ids"]] for b in groups)
     for model, prompt, text in zip(order, prompts, texts):
         assert text == reference.text(model, prompt, 5)
+
+
+def test_a_queued_request_whose_client_leaves_never_runs(main_server):
+    before = main_server.idle_stats()["batches_total"]
+    with main_server.client() as c, \
+            c.stream("POST", "/v1/completions", json=_body(BASE, [1, 2, 3], 500, stream=True)) as blocker:
+        lines = blocker.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        with c.stream("POST", "/v1/completions", json=_body(A2, [1, 4, 5], 50, stream=True)) as gone:
+            assert gone.status_code == 200
+        # The connection closed with the body unread: the server sees the disconnect while it is queued.
+        deadline = time.monotonic() + 10
+        while main_server.stats()["queue_depth"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert main_server.stats()["queue_depth"] == 0
+        for _ in lines:
+            pass
+    s = main_server.idle_stats()
+    assert s["batches_total"] == before + 1  # the blocker's batch alone
+    assert s["batches"][-1]["adapter"] is None
 
 
 def test_stream_sends_one_chunk_per_token_and_usage(main_server, reference):
@@ -384,7 +413,7 @@ def test_unknown_model_is_404(main_server):
 def test_lru_of_one_adapter_evicts_and_outputs_stay_correct(lru_server, dummy_reference):
     # Started with --dummy-weights (seed 0) and --max-loaded 1: A0 is preloaded, every switch loads one
     # adapter and deletes the previous one.
-    before = lru_server.stats()
+    before = lru_server.idle_stats()
     assert before["resident"] == [A0] and before["adapter_loads"] == 1
     sequence = [A0, A1, A2, A0, None, A1]
     with lru_server.client() as c:
@@ -392,7 +421,7 @@ def test_lru_of_one_adapter_evicts_and_outputs_stay_correct(lru_server, dummy_re
             prompt = _prompt(8 + i, 90 + i)
             reply = _complete(c, model or BASE, prompt, 9)
             assert reply["choices"][0]["text"] == dummy_reference.text(model, prompt, 9), (i, model)
-    after = lru_server.stats()
+    after = lru_server.idle_stats()
     assert after["resident"] == [A1]
     assert after["adapter_loads"] == 5 and after["adapter_evictions"] == 4
     assert [b["adapter"] for b in after["batches"]] == sequence
