@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 
 DESCRIPTION = """Benchmarks of BENCHMARKS.md: the S-LoRA workload (Gamma arrivals, power-law adapter popularity,
@@ -118,6 +120,7 @@ def cmd_sweep(args, argv) -> int:
             for p in todo:
                 sys.stdout.write(f"  {point_key(p)}\n")
         return 0
+    _unwind_on_sigterm()
     driver = Driver(spec, work_dir, results, args.budget_s, _command(argv), progress=not args.quiet)
     result = driver.run_piece()
     sys.stdout.write(f"{spec.name}: {len(result.ran)} points measured in this piece, "
@@ -137,6 +140,7 @@ def cmd_run(args, argv) -> int:
                      warmup_s=args.warmup_s, seed=args.seed, device=args.device, arena_gb=args.arena_gb,
                      num_slots=args.num_slots, set=args.set)
     work_dir = Path(args.work_dir) if args.work_dir else Path("data") / "bench"
+    _unwind_on_sigterm()
     driver = Driver(spec, work_dir, out, float("inf"), _command(argv))
     if args.url:
         return _run_against(driver, args.url)
@@ -232,6 +236,16 @@ def cmd_adapters(args, argv) -> int:
 
 
 ACTIONS = {"run": cmd_run, "sweep": cmd_sweep, "plot": cmd_plot, "roofline": cmd_roofline, "adapters": cmd_adapters}
+
+
+def _exit_on_sigterm(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def _unwind_on_sigterm() -> None:
+    """SIGTERM (a piece's time limit, `kill`) unwinds like Ctrl-C: the running stack is stopped on the way out."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ stack are still registered: a registration that a piece of a sweep had to stop c
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -39,6 +40,19 @@ POLICIES: dict[str, tuple[str, ...]] = {
 # as many adapters of the setting's largest rank, since a fixed partition must fit its worst case.
 NO_UNIFY_ADAPTERS = 128
 STOP_TIMEOUT_S = 60.0
+
+
+def _die_with(parent_pid: int):
+    """preexec_fn: the kernel sends the child SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG); the
+    launcher then drains and stops its own children."""
+    def preexec() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent_pid:
+            os._exit(1)  # the parent died before prctl took effect
+    return preexec
 
 
 def check_system(system: str) -> str:
@@ -198,8 +212,9 @@ class Stack:
         self.log_file.write(("$ " + " ".join(argv) + "\n").encode())
         self.log_file.flush()
         # Its own session: a Ctrl-C at the driver's terminal reaches the driver, which then stops the stack.
+        # And it dies with the driver, even one killed outright: a stack left behind would hold the GPU.
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with(os.getpid()))
         try:
             self._wait_ready(started)
             self.base_model = self._base_model()

@@ -115,3 +115,42 @@ def test_every_shipped_spec_loads():
     for path in sorted((REPO / "bench" / "sweeps").glob("*.yaml")):
         spec = SweepSpec.load(path)
         assert spec.name == path.stem and expand(spec)
+
+
+def test_a_piece_stopped_by_sigterm_stops_its_stack(tmp_path):
+    import signal
+    import time
+
+    from shared.probes import alive, descendants
+
+    spec_path = tmp_path / "tiny-two.yaml"
+    spec_path.write_text(yaml.safe_dump({**TWO_POINTS, "n": [2], "duration_s": 60}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    driver = subprocess.Popen([sys.executable, "-m", "shared.cli", "bench", "sweep", str(spec_path), "--work-dir",
+                               str(tmp_path / "work"), "--out-dir", str(tmp_path / "out"), "--quiet"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        seen: set[int] = set()
+        # Wait until the stack is up (its launcher's log says ready) and the point under way.
+        while time.monotonic() < deadline:
+            seen.update(descendants(driver.pid))
+            logs = list((tmp_path / "work" / "logs").glob("*.log")) if (tmp_path / "work" / "logs").is_dir() else []
+            if logs and "loraplex.ready" in logs[0].read_text(errors="replace"):
+                break
+            assert driver.poll() is None, driver.stdout.read().decode()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        seen.update(descendants(driver.pid))
+        assert len(seen) >= 5  # launcher, redis, store, scheduler, worker, gateway
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    deadline = time.monotonic() + 10
+    while [p for p in seen if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in seen if alive(p)] == []
+    assert not (tmp_path / "out" / "tiny-two.jsonl").exists()  # the cut point left no line
