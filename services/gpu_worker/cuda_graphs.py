@@ -100,8 +100,11 @@ class DecodeGraphs:
             self.graphs[key] = self._capture(size, rank, ctx)
         return self.graphs[key]
 
-    def run(self, seqs: list[Sequence], max_rank: int) -> torch.Tensor:
-        """Logits `[len(seqs), vocab]` for a decode step (each request has exactly one token to run)."""
+    def run(self, seqs: list[Sequence], max_rank: int, device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
+        """Logits `[len(seqs), vocab]` for a decode step (each request has exactly one token to run).
+        `device_tokens` = (ids, rows): the step's input tokens are `ids[rows]`, sampled on the device by the
+        step before and not yet known to the host (lookahead.py)."""
         n = len(seqs)
         size = bucket(n, self.batch_buckets)
         rank = bucket(max_rank, self.rank_buckets) if max_rank else 0
@@ -113,5 +116,8 @@ class DecodeGraphs:
         self.host[:, n:size] = self.padding[:, None]
         self.page_table.flush()
         self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
+        if device_tokens is not None:
+            ids, rows = device_tokens
+            self.inputs[IDS, :n].copy_(ids.index_select(0, rows))
         graph.replay()
         return logits[:n]

@@ -22,6 +22,7 @@ from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
 from .cuda_graphs import DecodeGraphs
+from .lookahead import PENDING_TOKEN, lookahead_rows
 from .merge_mode import MergeMode
 from .model import LlamaModel
 from .ops import select_backend
@@ -68,9 +69,11 @@ class Engine:
         self._by_id: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
         self._in_flight: StepInFlight | None = None
+        self._ahead: StepInFlight | None = None  # launched by finish_step before the step before it ended
         self._deferred_aborts: list[str] = []
         self._order = 0
         self.num_preemptions = 0
+        self.lookahead_steps = 0  # steps launched before the tokens of the step before reached the host
         self._admitting = False  # an admission round is under way (see _admission_due)
 
     @classmethod
@@ -131,7 +134,7 @@ class Engine:
         seq = self._by_id.get(request_id)
         if seq is None:
             return False
-        if self._in_flight is not None and seq in self.running:
+        if self._in_flight is not None and seq in self._in_flight.scheduled:
             # Its slots may still be written by the step in flight: free them when that step is done.
             self._deferred_aborts.append(request_id)
             return True
@@ -139,7 +142,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._pending)
+        return bool(self.waiting or self.running or self._pending or self._ahead)
 
     # ---- step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -149,11 +152,18 @@ class Engine:
         """Schedule and launch one step without waiting for the GPU. The caller may do host work (emit the
         last step's tokens, drain its sockets, add or abort requests) before `finish_step`; aborts that
         arrive meanwhile take effect once the step's kernels are done with the request's slots."""
+        if self._ahead is not None:
+            flight, self._ahead = self._ahead, None
+            flight.outputs, self._pending = self._pending, []
+            return flight
         scheduled = self._schedule()
         if self.adapters.held_names - set(self.adapters.names):
             self.adapters.keep_staged({s.req.adapter for s in self.waiting if s.req.adapter})
         outputs, self._pending = self._pending, []
-        flight = StepInFlight(outputs)
+        return self._launch(scheduled, StepInFlight(outputs))
+
+    def _launch(self, scheduled: list[tuple[Sequence, int]], flight: StepInFlight,
+                device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepInFlight:
         if not scheduled:
             return flight
         if self.copier is not None:
@@ -161,37 +171,80 @@ class Engine:
         if self.graphs is not None and self._is_decode(scheduled) and self.graphs.supports(len(scheduled)):
             samplers = [seq for seq, _ in scheduled]
             max_rank = max((max(s.adapter.ranks) for s in samplers if s.adapter is not None), default=0)
-            logits = self.graphs.run(samplers, max_rank)
+            logits = self.graphs.run(samplers, max_rank, device_tokens)
         else:
             batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)
+            if device_tokens is not None:  # a pure decode step: row i is request i's one token
+                ids, rows = device_tokens
+                batch.input_ids.copy_(ids.index_select(0, rows))
             logits = self.model.forward(batch, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n
         flight.samplers, flight.logits = samplers, logits
+        flight.scheduled, flight.num_scheduled = {seq for seq, _ in scheduled}, len(scheduled)
         if samplers:
             flight.greedy = start_greedy(logits)
         self._in_flight = flight
         return flight
 
+    def _launch_ahead(self, flight: StepInFlight) -> StepInFlight | None:
+        """Launch the next decode step of `flight`'s requests before `flight`'s tokens reach the host, when
+        lookahead.py finds nothing the host would decide differently once it sees them."""
+        if not self.config.overlap_steps or self.merge is not None:
+            return None
+        rows = lookahead_rows(flight, len(self.running), set(self._deferred_aborts), self.max_model_len,
+                              self.config.max_batched_tokens)
+        if rows is None:
+            return None
+        seqs = [flight.samplers[i] for i in rows]
+        finishing = len(flight.samplers) - len(flight.dropped) - len(seqs)
+        if self._admitting or self._admission_due(finishing) or not self.pool.allocator.can_allocate(len(seqs)):
+            return None
+        for seq in seqs:
+            seq.tokens.append(PENDING_TOKEN)
+            self._give_slots(seq, 1)
+        index = torch.tensor(rows, dtype=torch.int32)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        self.lookahead_steps += 1
+        return self._launch([(seq, 1) for seq in seqs], StepInFlight([]), (flight.greedy.device_ids, index))
+
     def finish_step(self, flight: StepInFlight) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, apply stop conditions, free what finished."""
+        """Launch the next step if it can go ahead of this one's tokens (lookahead.py), then wait for this
+        step's tokens, apply stop conditions, free what finished."""
         self._in_flight = None
+        ahead = self._launch_ahead(flight)
         outputs = flight.outputs
         if flight.samplers:
             samplers = flight.samplers
             tokens = finish_sampling(flight.greedy, flight.logits, [s.req.sampling for s in samplers],
                                      [s.generator for s in samplers])
+            carried = ahead.scheduled if ahead is not None else ()
             for row, (seq, token) in enumerate(zip(samplers, tokens)):
-                seq.tokens.append(token)
+                if seq in flight.dropped:
+                    continue
+                if seq in carried:
+                    seq.tokens[-1] = token  # the step ahead already runs it from the device
+                else:
+                    seq.tokens.append(token)
                 out = RequestOutput(seq.request_id, [token], prompt_tokens=seq.prompt_len,
                                     completion_tokens=seq.num_output)
                 if seq.req.return_logits:
                     out.logits = [flight.logits[row].cpu()]
                 reason = self._stop_reason(seq, token)
                 if reason:
-                    self._release(seq)
+                    if seq in carried:
+                        # The step ahead still writes its slots: it leaves now, its slots when that step ends.
+                        self.running.remove(seq)
+                        self._by_id.pop(seq.request_id, None)
+                        ahead.dropped.add(seq)
+                    else:
+                        self._release(seq)
                     out.finished, out.finish_reason = True, reason
                 outputs.append(out)
+        for seq in flight.dropped:
+            self._release_slots(seq)
+        self._ahead = ahead
         deferred, self._deferred_aborts = self._deferred_aborts, []
         for request_id in deferred:
             self.abort(request_id)
@@ -271,14 +324,14 @@ class Engine:
             self._admitting = False  # the round is over: the batch is full or nobody waits
         return scheduled
 
-    def _admission_due(self) -> bool:
+    def _admission_due(self, finishing: int = 0) -> bool:
         """Whether an admission round starts now. Each step that admits requests carries their prefill and
         runs eagerly (only pure decode steps replay CUDA graphs); admitting one request as each finishes would
         make nearly every step eager at saturation. So with a busy batch, admission waits until a round's
         worth of places is free, then continues step after step until the batch is full or the queue empty."""
         if not self.waiting:
             return False
-        free = self.config.max_running_requests - len(self.running)
+        free = self.config.max_running_requests - len(self.running) + finishing
         need = min(self.config.admission_batch, max(1, self.config.max_running_requests // 8), len(self.waiting))
         return not self.running or free >= need
 

@@ -69,3 +69,8 @@ class StepInFlight:
     samplers: list[Sequence] = field(default_factory=list)
     logits: torch.Tensor | None = None
     greedy: object = None  # sampling.start_greedy's handle
+    scheduled: set = field(default_factory=set)  # every request whose slots the step writes
+    num_scheduled: int = 0
+    # Requests that ended (stop token) in the step before this one, which was launched before that was
+    # known: their token here is dropped, and their slots are freed once this step is done with them.
+    dropped: set = field(default_factory=set)

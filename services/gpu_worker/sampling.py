@@ -67,6 +67,7 @@ class GreedyTokens:
 
     def __init__(self, logits: torch.Tensor):
         ids = logits.argmax(dim=-1).to(torch.int32)
+        self.device_ids = ids  # the next step may read them on the device before the host sees them
         if ids.is_cuda:
             self.host = torch.empty(ids.shape, dtype=torch.int32, pin_memory=True)
             self.host.copy_(ids, non_blocking=True)

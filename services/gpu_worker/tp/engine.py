@@ -154,6 +154,9 @@ class TPEngine(Engine):
         if "cuda_graphs" in {f.name for f in dataclasses.fields(config)}:
             # A captured decode graph would replay rank 0's forward without the plan and the collectives.
             overrides["cuda_graphs"] = False
+        # Followers take each step's tokens from rank 0's plan, which is built on the host: a step launched
+        # ahead of its input tokens reaching the host cannot be planned.
+        overrides["overlap_steps"] = False
         return dataclasses.replace(config, **overrides)
 
     def _start_followers(self, cfg, config, weights, backend, start_timeout_s, collective_timeout_s, log_level,

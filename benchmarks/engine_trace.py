@@ -1,0 +1,106 @@
+"""Saturation throughput of the engine alone on S-LoRA's workload (no HTTP, no services): every request
+of a trace is queued at once, the engine runs until `--seconds` pass, and the step mix is reported
+(decode steps replayed from CUDA graphs vs eager steps that carry prefill), so the serving ceiling of one
+GPU and where its time goes are known before the whole stack is measured.
+
+    python benchmarks/engine_trace.py --adapters 100 --seconds 40 --out trace.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, synthetic_adapter
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.requests import EngineRequest
+from services.gpu_worker.sampling import SamplingParams
+from shared.config import EngineConfig
+from shared.model_config import ModelConfig
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", choices=["llama2-7b", "llama3-8b"], default="llama2-7b")
+    p.add_argument("--adapters", type=int, default=100, help="0 = base model only")
+    p.add_argument("--ranks", default="64,32,16,8")
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--warmup", type=float, default=15.0)
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--set", action="append", default=[], help="extra EngineConfig field, NAME=VALUE")
+    p.add_argument("--out", default="engine_trace.json")
+    args = p.parse_args()
+    cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    extra = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        extra[key] = type(getattr(EngineConfig(), key))(value) if not isinstance(getattr(EngineConfig(), key), bool) else value == "true"
+    config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=0, max_lora_rank=max(ranks),
+                          max_resident_adapters=max(args.adapters, 1) + 8, max_running_requests=args.max_running,
+                          max_batched_tokens=args.max_batched_tokens, cuda_graph_max_batch=args.max_running,
+                          **extra)
+    engine = Engine.with_dummy_weights(cfg, config)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj") if args.model == "llama2-7b" else \
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    rng = np.random.default_rng(0)
+    names = []
+    for i in range(args.adapters):
+        name = f"adapter-{i:04d}"
+        engine._local_adapters[name] = synthetic_adapter(name, cfg, int(rng.choice(ranks)), targets, engine.device)
+        names.append(name)
+    graph_steps = [0]
+    run = engine.graphs.run
+
+    def counted(*a, **kw):
+        graph_steps[0] += 1
+        return run(*a, **kw)
+
+    engine.graphs.run = counted
+    for i in range(args.requests):
+        prompt = rng.integers(3, cfg.vocab_size, int(rng.integers(8, 512))).tolist()
+        adapter = names[int(rng.integers(0, len(names)))] if names else None
+        engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(8, 512)),
+                                                                         ignore_eos=True), adapter))
+    # Warm-up: the first steps compile kernels and capture graphs; measure after --warmup seconds of running.
+    steps = {"graph": [], "eager": []}
+    done, out_tokens = 0, 0
+    t_start = time.perf_counter()
+    warm_until = t_start + args.warmup
+    t0 = None
+    while engine.has_unfinished():
+        before = graph_steps[0]
+        s0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - s0
+        if t0 is None and s0 >= warm_until:
+            t0 = s0
+        if t0 is not None:
+            steps["graph" if graph_steps[0] > before else "eager"].append(dt)
+            out_tokens += sum(len(o.new_token_ids) for o in outs)
+            done += sum(1 for o in outs if o.finished)
+            if time.perf_counter() - t0 >= args.seconds:
+                break
+    wall = time.perf_counter() - t0
+    result = {"model": args.model, "adapters": args.adapters, "seconds": wall, "completed": done,
+              "req_per_s": done / wall, "out_tok_per_s": out_tokens / wall,
+              "graph_steps": len(steps["graph"]), "eager_steps": len(steps["eager"]),
+              "graph_step_ms": 1e3 * float(np.mean(steps["graph"])) if steps["graph"] else None,
+              "eager_step_ms": 1e3 * float(np.mean(steps["eager"])) if steps["eager"] else None,
+              "eager_time_share": sum(steps["eager"]) / wall, "running_at_end": len(engine.running),
+              "preemptions": engine.num_preemptions, "pool_slots": engine.pool.num_slots,
+              "config": {k: v for k, v in extra.items()}}
+    print(json.dumps(result), flush=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

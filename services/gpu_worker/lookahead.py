@@ -1,0 +1,43 @@
+"""Which requests of a launched step can run their next decode step before its tokens reach the host.
+
+The engine launches step N+1 while step N is still on the GPU, feeding N's sampled tokens to N+1 on the
+device, so the host's bookkeeping of step N (and the worker's socket work) hides behind N+1's kernels
+instead of leaving the GPU idle. That is only right when nothing the host would decide differently after
+seeing N's tokens changes N+1:
+- every request of N samples greedily (its token is the device argmax) and wants no logits back (the
+  logits buffer of a replayed graph is overwritten by N+1);
+- N ran every running request to its end (no prefill chunk left over, nobody left out by the token
+  budget), so N+1 is a pure decode step over N's requests;
+- no admission round is due (new requests bring prefill: that step is scheduled on the host as usual);
+- a request that ends by length at N, or whose abort arrived during N, is left out. One that ends by a
+  stop token at N is not known yet: it runs one wasted step in N+1, whose token is dropped.
+"""
+from __future__ import annotations
+
+from .requests import Sequence, StepInFlight
+
+# Stands for a token sampled on the device and not yet seen by the host; replaced when it arrives.
+PENDING_TOKEN = -1
+
+
+def ends_by_length(seq: Sequence, max_model_len: int) -> bool:
+    """Whether the token step N samples for `seq` (not yet appended) is its last by length."""
+    return seq.num_output + 1 >= seq.req.sampling.max_tokens or len(seq.tokens) + 1 >= max_model_len
+
+
+def lookahead_rows(flight: StepInFlight, num_running: int, deferred_aborts: set[str], max_model_len: int,
+                   max_tokens: int) -> list[int] | None:
+    """Rows of `flight.samplers` that continue into the next step, or None when it must be scheduled on
+    the host after `flight`'s tokens arrive."""
+    samplers = flight.samplers
+    if not samplers or flight.greedy is None or flight.num_scheduled != len(samplers):
+        return None
+    if num_running != len(samplers) - len(flight.dropped):
+        return None  # someone running was not in this step (token budget): let the scheduler see them
+    if any(not s.req.sampling.greedy or s.req.return_logits for s in samplers):
+        return None
+    rows = [i for i, s in enumerate(samplers) if s not in flight.dropped and s.request_id not in deferred_aborts
+            and not ends_by_length(s, max_model_len)]
+    if not rows or len(rows) > max_tokens:
+        return None
+    return rows

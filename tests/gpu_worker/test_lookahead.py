@@ -1,0 +1,106 @@
+"""Steps launched ahead of the last step's tokens (lookahead.py) change nothing a client sees: the same
+tokens, finish reasons and stop positions as an engine that waits for every step, no slot left behind,
+aborts honoured while two steps are in flight."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.requests import EngineRequest
+from services.gpu_worker.sampling import SamplingParams
+from shared.config import EngineConfig
+from shared.adapter_format import load_adapter
+from shared.make_adapters import make_adapters
+from shared.model_config import ModelConfig
+from shared.tiny_model import make_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lookahead")
+    model = make_model(root / "model", preset="tiny-gqa", seed=3)
+    make_adapters(root / "adapters", model, 2, ranks=(4, 8), targets=("q_proj", "v_proj", "o_proj"), seed=10)
+    return model
+
+
+def make_engine(model_dir, overlap: bool, **config) -> Engine:
+    engine = Engine.from_model_dir(model_dir, EngineConfig(overlap_steps=overlap, **config))
+    cfg = ModelConfig.from_dir(model_dir)
+    for i, folder in enumerate(sorted((model_dir.parent / "adapters").iterdir())):
+        engine.register_adapter(f"a{i}", load_adapter(folder, cfg, name=f"a{i}"))
+    return engine
+
+
+def workload(seed: int = 0) -> list[EngineRequest]:
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(14):
+        sampling = SamplingParams(max_tokens=rng.randrange(1, 24), ignore_eos=rng.random() < 0.5)
+        if i % 5 == 1:
+            sampling.temperature, sampling.seed = 0.8, i  # sampled on the host: no lookahead past it
+        reqs.append(EngineRequest(f"r{i}", [rng.randrange(3, 200) for _ in range(rng.randrange(1, 12))],
+                                  sampling, adapter=(None, "a0", "a1")[i % 3]))
+    return reqs
+
+
+def run(engine: Engine, reqs: list[EngineRequest], stop_after: dict[str, int] | None = None,
+        abort_at: dict[int, str] | None = None) -> dict:
+    results: dict[str, dict] = {}
+    pending = list(reqs)
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 2 == 0:  # requests arrive while others run
+            engine.add_request(pending.pop(0))
+        flight = engine.launch_step()
+        if abort_at and step in abort_at:
+            engine.abort(abort_at[step])  # arrives while the step runs, as from the worker's socket
+        for out in engine.finish_step(flight):
+            r = results.setdefault(out.request_id, {"tokens": [], "reason": None})
+            r["tokens"] += out.new_token_ids
+            if out.finished:
+                r["reason"] = out.finish_reason
+        step += 1
+        assert step < 2000
+    return results
+
+
+def test_same_tokens_with_and_without_lookahead(model_dir):
+    reqs = workload()
+    plain = run(make_engine(model_dir, overlap=False), reqs)
+    engine = make_engine(model_dir, overlap=True, admission_batch=1)
+    ahead = run(engine, workload())
+    assert engine.lookahead_steps > 10, engine.lookahead_steps
+    assert ahead == plain
+    assert engine.pool.allocator.num_used == engine.adapters.slots_in_use
+    assert not engine.running and not engine._by_id and engine.page_table
+
+
+def test_stop_token_found_after_the_next_step_was_launched(model_dir):
+    # Learn what a request generates, then stop it at a token it first makes after "long" joined: the step
+    # after it is already in flight when that token reaches the host, and its extra token must not be
+    # delivered.
+    probe = run(make_engine(model_dir, overlap=False), [EngineRequest("p", [7, 8, 9], SamplingParams(max_tokens=16, ignore_eos=True))])
+    tokens = probe["p"]["tokens"]
+    stop = next(t for k, t in enumerate(tokens) if k >= 6 and t not in tokens[:k])
+    engine = make_engine(model_dir, overlap=True)
+    reqs = [EngineRequest("s", [7, 8, 9], SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=(stop,))),
+            EngineRequest("long", [4, 5], SamplingParams(max_tokens=20, ignore_eos=True))]
+    out = run(engine, reqs)
+    assert out["s"]["tokens"] == tokens[: tokens.index(stop) + 1] and out["s"]["reason"] == "stop"
+    assert len(out["long"]["tokens"]) == 20 and out["long"]["reason"] == "length"
+    assert engine.lookahead_steps > 0
+    assert engine.pool.allocator.num_used == engine.adapters.slots_in_use
+
+
+def test_abort_while_a_step_is_launched_ahead(model_dir):
+    engine = make_engine(model_dir, overlap=True)
+    reqs = [EngineRequest(f"x{i}", [3 + i, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True), adapter="a0")
+            for i in range(3)]
+    out = run(engine, reqs, abort_at={8: "x1", 9: "x0"})
+    assert out["x1"]["reason"] == "abort" and out["x0"]["reason"] == "abort"
+    assert len(out["x1"]["tokens"]) < 30 and len(out["x0"]["tokens"]) < 30
+    assert out["x2"]["reason"] == "length" and len(out["x2"]["tokens"]) == 30
+    assert engine.lookahead_steps > 0
+    assert engine.pool.allocator.num_used == engine.adapters.slots_in_use and not engine.has_unfinished()
