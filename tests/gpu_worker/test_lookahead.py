@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
@@ -66,10 +67,15 @@ def run(engine: Engine, reqs: list[EngineRequest], stop_after: dict[str, int] | 
     return results
 
 
-def test_same_tokens_with_and_without_lookahead(model_dir):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_tokens_with_and_without_lookahead(model_dir, device):
+    # On CUDA the steps ahead replay decode graphs, their input tokens copied on the device.
     reqs = workload()
-    plain = run(make_engine(model_dir, overlap=False), reqs)
-    engine = make_engine(model_dir, overlap=True, admission_batch=1)
+    plain = run(make_engine(model_dir, overlap=False, device=device), reqs)
+    engine = make_engine(model_dir, overlap=True, admission_batch=1, device=device, cuda_graph_max_batch=16)
     ahead = run(engine, workload())
     assert engine.lookahead_steps > 10, engine.lookahead_steps
     assert ahead == plain
