@@ -116,12 +116,16 @@ class Arena:
         need = align_up(max(nbytes, 1), ARENA_ALIGN)
         if need > self.capacity:
             raise ArenaFull(f"adapter needs {need} bytes; the arena holds {self.capacity}")
+        compacted = False
         while True:
             offset = self.ranges.allocate(nbytes)
             if offset is not None:
                 return offset
-            if self.ranges.free_bytes >= need:
+            # Once per eviction at most: pinned adapters stay put, so compaction may leave the free bytes
+            # split around them, and compacting again would change nothing (the loop would never end).
+            if self.ranges.free_bytes >= need and not compacted:
                 self.compact()
+                compacted = True
                 continue
             victim = next((e for e in self._lru.values() if not e.pinned and e.adapter not in keep), None)
             if victim is None:
@@ -129,6 +133,7 @@ class Arena:
                                 f"{self.pinned_bytes} pinned by running requests")
             self._remove(victim)
             self.evictions += 1
+            compacted = False
 
     def compact(self) -> None:
         """Slide unpinned adapters toward the start so free space becomes contiguous; pinned ones stay."""

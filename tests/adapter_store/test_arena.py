@@ -101,6 +101,21 @@ def test_fragmented_free_space_is_compacted_instead_of_evicting(arena):
         assert torch.equal(arena.rows(name), packed(name, units=2 if name == "e" else 1).rows)
 
 
+def test_free_space_split_by_a_pinned_adapter_is_made_by_evicting_after_one_compaction(arena):
+    for name in ("a", "b", "c", "d"):
+        arena.put(name, packed(name))
+    arena.acquire("b", "w0")  # pinned at unit 1: the free units on either side can never join
+    arena.drop("a")
+    arena.drop("c")
+    e = arena.put("e", packed("e", units=2))  # compaction alone cannot make two adjacent units: d goes
+    assert arena.adapters == ["b", "e"] and arena.evictions == 1
+    assert arena.get("b").offset == UNIT and e.offset == 2 * UNIT
+    assert torch.equal(arena.rows("b"), packed("b").rows) and torch.equal(arena.rows("e"), packed("e", units=2).rows)
+    arena.acquire("e", "w0")
+    with pytest.raises(ArenaFull, match="pinned"):  # nothing left to evict: refused, not a busy loop
+        arena.put("f", packed("f", units=2))
+
+
 def test_prefetch_never_evicts_a_more_urgent_hinted_adapter(arena):
     for name in ("a", "b", "c", "d"):
         arena.put(name, packed(name))
