@@ -11,7 +11,9 @@ A piece (`run_piece`) plans, from estimates, which of the points still missing f
 only if its startup, one point and its stop fit, a further point only if it fits. Estimates are the spec's,
 raised to the longest this host has taken so far (timings.json in the work dir), so a piece's share does not
 depend on how fast it happens to run; while running, a point after the first of a stack is also skipped if
-the clock says it would overrun. The first point after a start always runs: a start slower than estimated
+the clock says it would overrun. A fresh stack can first get `stack_warmup_s` of its first point's traffic, not measured (kernels compiled
+and graphs captured for the shapes the points see, adapters in the host cache). The first point after a
+start always runs: a start slower than estimated
 must not leave every piece starting a stack and measuring nothing. Adapter generation and registration stop
 at the budget too and continue in the next piece (the stack's Redis keeps what was registered). Running the
 same command again resumes; a point already in the results file is never run again. Exit status of the
@@ -24,6 +26,7 @@ each point), peft-views/ and timings.json.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -72,8 +75,9 @@ class SweepSpec:
     set: list[str] = field(default_factory=list)  # further --set SERVICE.FLAG=VALUE for loraplex stacks
     ready_timeout_s: float = 900.0
     # piece planning (raised to what this host has measured)
-    startup_s: float = 180.0  # a stack's start, registration aside
-    point_tail_s: float = 60.0  # a point's time beyond its duration (the queue draining, summaries)
+    stack_warmup_s: float = 0.0  # traffic sent to a fresh stack before its first point, not measured
+    startup_s: float = 60.0  # a stack's start, registration aside (an H200 starts Llama-2-7B shapes in ~45 s)
+    point_tail_s: float = 30.0  # a point's time beyond its duration (the queue draining, summaries)
     stop_s: float = 30.0
     max_running: int = 256  # the server's largest running batch, for the roofline
 
@@ -254,7 +258,8 @@ class Driver:
         return p.duration_s + self.timings.get("point_tail", self.timing_key(p.system), self.spec.point_tail_s)
 
     def startup_estimate(self, system: str) -> float:
-        return self.timings.get("startup", self.timing_key(system), self.spec.startup_s)
+        warmup = self.spec.stack_warmup_s + self.spec.point_tail_s if self.spec.stack_warmup_s else 0.0
+        return self.timings.get("startup", self.timing_key(system), self.spec.startup_s) + warmup
 
     # ---- adapters ----------------------------------------------------------------------------------
     def population(self, n: int):
@@ -353,6 +358,8 @@ class Driver:
                     return "adapter registration reached the budget; it continues in the next piece"
             info = stack_info(stack)
             pool_slots = pool_total_slots(stack.url)
+            if self.spec.stack_warmup_s:
+                self.warm_up(stack, group[0])
             for i, p in enumerate(group):
                 if i > 0 and self.point_estimate(p) + self.spec.stop_s > self.left():
                     return f"the next point needs ~{self.point_estimate(p):.0f} s, {self.left():.0f} s are left"
@@ -364,6 +371,16 @@ class Driver:
             if stack.left_behind:
                 note(f"  warning: {len(stack.left_behind)} processes outlived the stack and were killed")
         return ""
+
+    def warm_up(self, stack: Stack, first) -> None:
+        """The first point's traffic, shorter and with another seed, thrown away: kernels compiled and graphs
+        captured for the shapes the points will see, adapters in the host cache, before anything is measured."""
+        from bench.point import run_point
+
+        spec = dataclasses.replace(first, duration_s=self.spec.stack_warmup_s, warmup_s=0.0, seed=first.seed + 1)
+        note(f"  warm-up: {spec.duration_s:g} s of traffic at {spec.req_rate:g} req/s, not measured")
+        run_point(stack.url, spec, stack.model_for, self.setting.vocab_size, command=self.command,
+                  request_timeout_s=self.spec.request_timeout_s, progress=self.progress)
 
     def run_one(self, stack: Stack, p, ceilings: dict | None, pool_slots: int, info: dict, population) -> dict:
         from bench.point import run_point

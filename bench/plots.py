@@ -76,6 +76,7 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         if logx:
             ax.set_xscale("log")
+        ax.set_ylim(bottom=0)  # ratios between lines read true only from a zero baseline
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)

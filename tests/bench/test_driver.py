@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 TWO_POINTS = {
     "name": "tiny-two", "setting": "tiny", "systems": ["loraplex"], "n": [2, 3], "rates": [3],
     "duration_s": 3, "warmup_s": 0.5, "prompt_range": [4, 12], "output_range": [2, 6], "device": "cpu",
-    # Estimates that fit one point in a 60 s piece and not two: 1 s start + 1 s stop + 43 s per point.
-    "startup_s": 1, "point_tail_s": 40, "stop_s": 1, "request_timeout_s": 60,
+    # Estimates that fit one point in a 100 s piece and not two: 1 s start + 41 s warm-up traffic (1 s of it,
+    # its tail estimated at 40) + 1 s stop, then 43 s per point.
+    "stack_warmup_s": 1, "startup_s": 1, "point_tail_s": 40, "stop_s": 1, "request_timeout_s": 60,
 }
 
 
@@ -40,9 +41,10 @@ def test_two_point_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_pa
     spec_path.write_text(yaml.safe_dump(TWO_POINTS))
     work, out = tmp_path / "work", tmp_path / "out"
 
-    first = sweep(spec_path, work, out, budget=60)
+    first = sweep(spec_path, work, out, budget=100)
     assert first.returncode == 3, first.stdout + first.stderr
     assert "run the same command again" in first.stdout
+    assert "warm-up: 1 s of traffic at 3 req/s, not measured" in first.stderr
     lines = results(out)
     assert [x["n_adapters"] for x in lines] == [2]
     stacks_started = len(list((work / "logs").iterdir()))
