@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from bench.settings import Setting, get_setting
-from bench.stack import POLICIES, SYSTEMS, NO_UNIFY_ADAPTERS, Stack, StackConfig, check_policy, check_system
+from bench.stack import NO_UNIFY_ADAPTERS, Stack, StackConfig, check_policy, check_system
 
 MORE_PIECES = 3
 DEFAULT_BUDGET_S = 540.0

@@ -76,6 +76,34 @@ def _timer(device: str):
     return timed
 
 
+def _copy_seconds(timed, device: str, nbytes: int, repeats: int) -> float:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return timed(lambda: dst.copy_(src), repeats)
+
+
+def _matmul_seconds(timed, device: str, n: int, dtype, repeats: int) -> float:
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return timed(lambda: torch.mm(a, b), repeats)
+
+
+def _host_to_device_seconds(timed, device: str, nbytes: int, repeats: int) -> float:
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if device.startswith("cuda"):
+        host = host.pin_memory()  # pin_memory() raises without CUDA: only here
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return timed(lambda: dev.copy_(host, non_blocking=True), repeats)
+    dev = torch.empty_like(host)
+    return timed(lambda: dev.copy_(host), repeats)
+
+
 def measure_ceilings(device: str = "cuda", copy_bytes: int = 0, matmul_n: int = 0, repeats: int = 0) -> Ceilings:
     """Median of `repeats` timed runs of each measurement (sizes default to 2 GiB and 8192 on CUDA, 32 MiB
     and 256 on CPU)."""
@@ -90,28 +118,10 @@ def measure_ceilings(device: str = "cuda", copy_bytes: int = 0, matmul_n: int = 
     dtype = torch.bfloat16 if on_cuda else torch.float32
     timed = _timer(device)
 
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    t_copy = timed(lambda: dst.copy_(src), repeats)
-    del src, dst
-
-    a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
-    b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
-    t_mm = timed(lambda: torch.mm(a, b), repeats)
-    del a, b
-
-    host = torch.empty(copy_bytes, dtype=torch.uint8)
-    if on_cuda:
-        host = host.pin_memory()  # pin_memory() raises without CUDA: only here
-        dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-        t_h2d = timed(lambda: dev.copy_(host, non_blocking=True), repeats)
-        name = torch.cuda.get_device_name(device)
-        del dev
-    else:
-        dev = torch.empty_like(host)
-        t_h2d = timed(lambda: dev.copy_(host), repeats)
-        name = "cpu"
-    del host
+    t_copy = _copy_seconds(timed, device, copy_bytes, repeats)
+    t_mm = _matmul_seconds(timed, device, matmul_n, dtype, repeats)
+    t_h2d = _host_to_device_seconds(timed, device, copy_bytes, repeats)
+    name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     if on_cuda:
         torch.cuda.empty_cache()
     return Ceilings(device=device, name=name, hbm_gbs=2 * copy_bytes / t_copy / 1e9,
