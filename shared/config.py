@@ -35,7 +35,8 @@ class EngineConfig:
     seed: int = _doc("seed for dummy weights", 0)
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
     overlap_steps: bool = _doc("launch the next decode step before the last step's tokens reach the host (greedy "
-                               "batches with nothing to admit), so host work hides behind the GPU", True)
+                               "batches with nothing to admit), so host work hides behind the GPU; off until its "
+                               "speed is proven on a GPU (docs/benchmarks.md)", False)
     cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)
     lora_mode: str = _doc("how adapters are applied: unified (paged pool kernels), bmm (baseline: rows copied to "
                           "buffers padded to the batch's max rank, torch.bmm) or merge (baseline: one adapter per "

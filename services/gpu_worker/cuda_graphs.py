@@ -42,7 +42,11 @@ class DecodeGraphs:
         size = self.batch_buckets[-1]
         # Padding rows: token 0 at position 0, written to and attending to the scratch slot only.
         self.padding = torch.tensor([0, 0, scratch_slot, 1, -1, scratch_row], dtype=torch.int32)
-        self.host = torch.empty(6, size, dtype=torch.int32).pin_memory()
+        # Two staging buffers, each reused only once its last copy is done: with a step launched ahead
+        # (lookahead.py) the previous step's copy may still be queued when the next one is staged.
+        self.staging = [torch.empty(6, size, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self.staged: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
         self.inputs = self.padding[:, None].repeat(1, size).to(device)
         self.q_start = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.slot_table = torch.zeros(size, page_table.max_len, dtype=torch.int32, device=device)
@@ -112,10 +116,16 @@ class DecodeGraphs:
         rows = [[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs], [s.slots[s.num_computed] for s in seqs],
                 [s.num_computed + 1 for s in seqs],
                 [s.adapter.resident_id if s.adapter is not None else -1 for s in seqs], [s.row for s in seqs]]
-        self.host[:, :n] = torch.tensor(rows, dtype=torch.int32)
-        self.host[:, n:size] = self.padding[:, None]
+        host, done = self.staging[self.turn], self.staged[self.turn]
+        if done is not None:
+            done.synchronize()
+        host[:, :n] = torch.tensor(rows, dtype=torch.int32)
+        host[:, n:size] = self.padding[:, None]
         self.page_table.flush()
-        self.inputs[:, :size].copy_(self.host[:, :size], non_blocking=True)
+        self.inputs[:, :size].copy_(host[:, :size], non_blocking=True)
+        self.staged[self.turn] = torch.cuda.Event()
+        self.staged[self.turn].record()
+        self.turn ^= 1
         if device_tokens is not None:
             ids, rows = device_tokens
             self.inputs[IDS, :n].copy_(ids.index_select(0, rows))
