@@ -214,7 +214,10 @@ def _adapter_rows(state: GatewayState) -> dict:
     for tier, rows in tiers.items():
         rows.sort(key=lambda r: (-r["requests"], r["tenant"], r["name"]))
         listed[tier] = {"count": len(rows), "adapters": rows[:ADAPTER_ROWS]}
-    return {"registered": len(state.ready_cards), "tiers": dict(state.tiers), "by_residency": listed,
+    # Counted as /metrics counts them (loraplex_adapters_resident), from the same picture as the lists above.
+    counts = {"gpu": listed["gpu"]["count"], "host": sum(c.host_resident for c in state.ready_cards),
+              "disk": len(state.ready_cards)}
+    return {"registered": len(state.ready_cards), "tiers": counts, "by_residency": listed,
             "base_model_requests": submitted.get("", 0), "base_model_active": active.get("", 0)}
 
 

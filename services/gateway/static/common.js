@@ -78,7 +78,7 @@ const LP = (() => {
     ms(seconds) {
       if (seconds === null || seconds === undefined || !isFinite(seconds)) return "–";
       const ms = seconds * 1000;
-      if (ms >= 10000) return (ms / 1000).toFixed(1) + " s";
+      if (ms >= 1000) return (ms / 1000).toFixed(ms >= 10000 ? 0 : 1) + " s";
       return (ms >= 100 ? ms.toFixed(0) : ms >= 10 ? ms.toFixed(1) : ms.toFixed(2)) + " ms";
     },
     bytes(n) {
