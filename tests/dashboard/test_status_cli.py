@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 from shared.probes import free_port
 from tests.dashboard.conftest import ADMIN, REPO, TENANT, complete, metric_sum, settled_samples
@@ -63,3 +65,13 @@ def test_an_unreachable_server_is_an_error_not_a_traceback():
     done = loraplex_status(url)
     assert done.returncode == 1
     assert f"cannot reach {url}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_watch_redraws_until_interrupted(stack):
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "status", "--url", stack.url, "--watch", "0.5"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out.count("loraplex at ") >= 3 and "Traceback" not in err

@@ -57,8 +57,9 @@
   }
 
   async function showCard(name, tenant) {
+    // A refresh of the same card keeps an armed delete armed; another card disarms it.
+    if (!selected || selected.name !== name || selected.tenant !== tenant) resetDelete();
     selected = { name, tenant };
-    resetDelete();
     try {
       const c = await LP.api(`/v1/adapters/${encodeURIComponent(name)}?tenant=${encodeURIComponent(tenant)}`);
       $("card-empty").classList.add("hidden");

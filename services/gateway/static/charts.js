@@ -39,7 +39,7 @@ const LPChart = (() => {
       const y = PAD.top + plotH - (plotH * i) / 4;
       ctx.strokeStyle = GRID;
       ctx.beginPath(); ctx.moveTo(PAD.left, Math.round(y) + 0.5); ctx.lineTo(width - PAD.right, Math.round(y) + 0.5); ctx.stroke();
-      ctx.fillText(yFormat((yMax * i) / 4), PAD.left - 6, y);
+      ctx.fillText(i === 0 ? "0" : yFormat((yMax * i) / 4), PAD.left - 6, y);
     }
     ctx.textAlign = "center";
     ctx.textBaseline = "top";
