@@ -53,7 +53,9 @@ def secured_stack(tmp_path_factory):
         s.kill_everything()
 
 
-@pytest.fixture(scope="session")
+# Package scope: Playwright's sync API keeps an asyncio loop running in this thread while it is open, and
+# later test packages call asyncio.run(), which refuses to start inside a running loop.
+@pytest.fixture(scope="package")
 def browser():
     from playwright.sync_api import sync_playwright
 

@@ -64,7 +64,8 @@ class Stack:
         return self
 
     def log(self) -> str:
-        self.log_file.flush()
+        if not self.log_file.closed:  # stop() closes it; the text is still on disk
+            self.log_file.flush()
         return self.log_path.read_text(errors="replace")
 
     def client(self, **kw) -> httpx.Client:
