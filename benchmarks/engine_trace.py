@@ -13,7 +13,6 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, synthetic_adapter
 from services.gpu_worker.engine import Engine

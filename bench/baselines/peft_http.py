@@ -17,14 +17,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bench.baselines.grouping import BatchLog, GroupingQueue, PendingRequest, QueueClosed
 from services.gateway.detokenize import IncrementalDetokenizer
-from services.gateway.errors import ApiError, bad_request
+from services.gateway.errors import ApiError, bad_request, exception_handlers
 from services.gateway.generation import Usage
 from services.gateway.inference import STREAM_HEADERS, EventStream, _Shape, read_body
 from services.gateway.sse import DONE, event
@@ -252,20 +251,6 @@ class _Collector:
         yield from (depth, running, loads, load_bytes, tiers, generated)
 
 
-async def _http_error(request: Request, exc: HTTPException) -> Response:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return ApiError(exc.status_code, str(exc.detail), None, code).response()
-
-
-async def _api_error(request: Request, exc: ApiError) -> Response:
-    return exc.response()
-
-
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    request.app.state.peft.log.exception("unhandled error", path=request.url.path)
-    return ApiError(500, "internal server error", None, "internal_error").response()
-
-
 def build_app(svc: PeftService, lifespan=None) -> Starlette:
     registry = CollectorRegistry()
     registry.register(_Collector(svc))
@@ -281,6 +266,6 @@ def build_app(svc: PeftService, lifespan=None) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error, ApiError: _api_error, Exception: _unexpected})
+                    exception_handlers=exception_handlers(lambda request: request.app.state.peft.log))
     app.state.peft = svc
     return app

@@ -5,14 +5,11 @@ import contextlib
 import time
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import Route
 
 from services.gateway import adapters, dashboard, inference, openapi, ops, status
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import ApiError
+from services.gateway.errors import exception_handlers
 from services.gateway.state import GatewayState
 
 ROUTES = [
@@ -36,21 +33,6 @@ ROUTES = [
 ]
 
 
-async def _http_error(request: Request, exc: HTTPException) -> Response:
-    # Unknown paths and wrong methods get the same error body as everything else.
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return ApiError(exc.status_code, str(exc.detail), None, code).response()
-
-
-async def _api_error(request: Request, exc: ApiError) -> Response:
-    return exc.response()
-
-
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    request.app.state.gateway.log.exception("unhandled error", path=request.url.path)
-    return ApiError(500, "internal server error", None, "internal_error").response()
-
-
 def build_app(config: GatewayConfig, state: GatewayState | None = None) -> Starlette:
     state = state or GatewayState(config)
     sampler = status.StatusSampler(state)
@@ -66,7 +48,7 @@ def build_app(config: GatewayConfig, state: GatewayState | None = None) -> Starl
             await state.close()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error, ApiError: _api_error, Exception: _unexpected})
+                    exception_handlers=exception_handlers(lambda request: request.app.state.gateway.log))
     app.state.gateway = state
     app.state.status_sampler = sampler
     app.state.started_at = time.monotonic()

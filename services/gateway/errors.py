@@ -1,7 +1,11 @@
 """OpenAI-style errors: every refusal is a response `{"error": {"message", "type", "param", "code"}}`."""
 from __future__ import annotations
 
-from starlette.responses import JSONResponse
+from typing import Any, Callable
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 # Status -> OpenAI error type, as their API reports them.
 ERROR_TYPES = {
@@ -44,3 +48,21 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param, code)
+
+
+def exception_handlers(log_of: Callable[[Request], Any]) -> dict:
+    """Starlette handlers giving every failure the OpenAI error body: unknown paths and wrong methods, our
+    own refusals, and anything unexpected (logged through `log_of(request)`, answered as a bare 500)."""
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return ApiError(exc.status_code, str(exc.detail), None, code).response()
+
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log_of(request).exception("unhandled error", path=request.url.path)
+        return ApiError(500, "internal server error", None, "internal_error").response()
+
+    return {HTTPException: http_error, ApiError: api_error, Exception: unexpected}
