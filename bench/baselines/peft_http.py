@@ -25,7 +25,7 @@ from bench.baselines.grouping import BatchLog, GroupingQueue, PendingRequest, Qu
 from services.gateway.detokenize import IncrementalDetokenizer
 from services.gateway.errors import ApiError, bad_request, exception_handlers
 from services.gateway.generation import Usage
-from services.gateway.inference import STREAM_HEADERS, EventStream, _Shape, read_body
+from services.gateway.inference import STREAM_HEADERS, EventStream, ResponseShape, read_body
 from services.gateway.sse import DONE, event
 from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.validation import (
@@ -103,7 +103,7 @@ async def completions(request: Request) -> Response:
         svc.queue.put(pending)
     except QueueClosed as e:
         raise ApiError(503, str(e), None, "shutting_down", retry_after=1) from None
-    shape = _Shape(rid, req.model, False, int(time.time()))
+    shape = ResponseShape(rid, req.model, False, int(time.time()))
     detok = IncrementalDetokenizer(svc.tokenizer.tokenizer) if svc.tokenizer is not None else None
     # The body has been read, so the request's next ASGI message is its disconnect: watching for it lets a
     # request whose client gave up (a load client's timeout) leave the queue instead of running later.
@@ -182,7 +182,7 @@ class _Tokens:
             self.pending.cancelled = True
 
 
-async def _sse(shape: _Shape, tokens: _Tokens, include_usage: bool):
+async def _sse(shape: ResponseShape, tokens: _Tokens, include_usage: bool):
     # One chunk per generated token (also when it adds no text), so first-token time and token counts are
     # read off the stream exactly; the last token's chunk carries the finish reason, as the gateway's does.
     try:

@@ -146,7 +146,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         cleanup("cancelled")
         raise
 
-    shape = _Shape(rid, req.model, chat, int(time.time()))
+    shape = ResponseShape(rid, req.model, chat, int(time.time()))
     if req.stream:
         metrics.requests.labels(endpoint=endpoint, status="200").inc()
         return EventStream(_sse(shape, first, pieces, gen, req.include_usage, cleanup), headers=STREAM_HEADERS)
@@ -177,7 +177,7 @@ async def _watch_disconnect(request: Request, events: asyncio.Queue) -> None:
             return
 
 
-class _Shape:
+class ResponseShape:
     """OpenAI's response objects for one request."""
 
     def __init__(self, rid: str, model: str, chat: bool, created: int):
@@ -210,7 +210,7 @@ class _Shape:
         return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": usage}
 
 
-async def _sse(shape: _Shape, first, pieces, gen: Generation, include_usage: bool, cleanup):
+async def _sse(shape: ResponseShape, first, pieces, gen: Generation, include_usage: bool, cleanup):
     try:
         if shape.chat:
             yield event(shape.chunk("", None, first=True, with_usage=include_usage))
