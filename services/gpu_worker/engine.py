@@ -172,6 +172,7 @@ class Engine:
             samplers = [seq for seq, _ in scheduled]
             max_rank = max((max(s.adapter.ranks) for s in samplers if s.adapter is not None), default=0)
             logits = self.graphs.run(samplers, max_rank, device_tokens)
+            flight.replayed = True
         else:
             batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)
             if device_tokens is not None:  # a pure decode step: row i is request i's one token

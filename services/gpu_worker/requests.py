@@ -71,6 +71,7 @@ class StepInFlight:
     greedy: object = None  # sampling.start_greedy's handle
     scheduled: set = field(default_factory=set)  # every request whose slots the step writes
     num_scheduled: int = 0
+    replayed: bool = False  # a decode step replayed from a CUDA graph (else run eagerly)
     # Requests that ended (stop token) in the step before this one, which was launched before that was
     # known: their token here is dropped, and their slots are freed once this step is done with them.
     dropped: set = field(default_factory=set)
