@@ -2,7 +2,8 @@
 
 A blob is the canonical pair of the adapter's two files in one file:
     MAGIC | u64 little-endian length of the config | canonical adapter_config.json | adapter_model.safetensors
-so sha256(blob file) is the adapter's identity and anyone can re-check a blob by hashing it.
+so sha256(blob file) is the adapter's identity and anyone can re-check a blob by hashing it. The identity
+is computed while the adapter's files are read (pair_hasher), so a blob is written without hashing again.
 Writes are atomic (temp file, fsync, rename, fsync of the folder): after a crash a blob is either
 absent or whole, never torn.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
 from pathlib import Path
 
 MAGIC = b"LPXADPT1"
@@ -33,10 +35,17 @@ def unpack_pair(blob: bytes) -> tuple[bytes, bytes]:
     return blob[start:start + n], blob[start + n:]
 
 
-def content_sha256(config_json: bytes, model_safetensors: bytes) -> str:
+def pair_hasher(config_json: bytes):
+    """A sha256 that has taken in the blob's header and config; feed it the safetensors bytes to get the
+    pair's identity (so a file can be hashed chunk by chunk as it is read)."""
     h = hashlib.sha256()
     h.update(_HEADER.pack(MAGIC, len(config_json)))
     h.update(config_json)
+    return h
+
+
+def content_sha256(config_json: bytes, model_safetensors: bytes) -> str:
+    h = pair_hasher(config_json)
     h.update(model_safetensors)
     return h.hexdigest()
 
@@ -62,13 +71,15 @@ class BlobStore:
     def exists(self, sha256: str) -> bool:
         return self.path(sha256).is_file()
 
-    def put(self, config_json: bytes, model_safetensors: bytes) -> str:
-        """Store a pair and return its sha256; storing the same content again is a no-op."""
-        sha = content_sha256(config_json, model_safetensors)
+    def put(self, config_json: bytes, model_safetensors: bytes, sha256: str | None = None) -> str:
+        """Store a pair and return its sha256; storing the same content again is a no-op. A caller that
+        hashed the pair's own bytes while reading them passes that sha256 instead of hashing them again."""
+        sha = sha256 or content_sha256(config_json, model_safetensors)
         final = self.path(sha)
         if final.is_file():
             return sha
-        tmp = self.root / f"{sha}.{os.getpid()}{_TMP_SUFFIX}"
+        # Registrations run on several threads: each write has its own temp file.
+        tmp = self.root / f"{sha}.{os.getpid()}-{threading.get_ident()}{_TMP_SUFFIX}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             with os.fdopen(fd, "wb") as f:

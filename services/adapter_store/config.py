@@ -22,6 +22,8 @@ class StoreConfig:
     allowed_root: str = _doc("server folder that path registrations must lie under; empty = path registration off", "")
     arena_bytes: int = _doc("size of the shared-memory adapter arena in bytes (from config, never from the machine)", 256 * 2**20)
     arena_name: str = _doc("name of the arena's shared-memory segment; empty = derived from the process id", "")
+    registration_threads: int = _doc("registrations read, hashed, checked and stored at once, each on its own thread "
+                                     "(lookups, acquires and releases are answered meanwhile)", 8)
     require_durable_redis: bool = _doc("refuse to start unless Redis has AOF on with appendfsync always", True)
 
     @classmethod

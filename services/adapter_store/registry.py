@@ -2,6 +2,7 @@
 
 Keys (P = key prefix):
     P:adapter:<id>     hash: the card (id, name, tenant, rank, target_modules, sha256, bytes, created, status)
+                       and checked_for: the fingerprint its content's checks ran under (contents.py)
     P:names:<tenant>   hash: name -> id of the live registration ("" tenant = shared adapters)
     P:tenants          set of tenants that ever registered (for listing all)
     P:blob:<sha256>    set of ids whose content is that blob (a blob with no id left is garbage)
@@ -125,11 +126,11 @@ class Registry:
                                        f"is not reachable: {e}") from None
                 time.sleep(0.1)
 
-    def register(self, card: AdapterCard) -> RegisterResult:
+    def register(self, card: AdapterCard, checked_for: str = "") -> RegisterResult:
         fields = {
             "id": card.id, "name": card.name, "tenant": card.tenant, "rank": str(card.rank),
             "target_modules": json.dumps(card.target_modules), "sha256": card.sha256, "bytes": str(card.bytes),
-            "created": repr(card.created or time.time()), "status": "ready",
+            "created": repr(card.created or time.time()), "status": "ready", "checked_for": checked_for,
         }
         flat = [x for kv in fields.items() for x in kv]
         code, current = self._register(
@@ -165,11 +166,25 @@ class Registry:
             owners = sorted({t.decode() for t in self.redis.smembers(self._k("tenants"))} | {""})
         else:
             owners = [tenant, ""] if tenant else [""]
-        cards = []
+        ids = []
         for owner in owners:
-            ids = [v.decode() for v in self.redis.hvals(self._k("names", owner))]
-            cards.extend(c for c in map(self.by_id, ids) if c is not None)
+            ids += [v.decode() for v in self.redis.hvals(self._k("names", owner))]
+        cards = [_card_from_hash(h) for h in self._hashes([self._k("adapter", i) for i in ids]) if h]
         return sorted(cards, key=lambda c: (c.tenant, c.name))
+
+    def _hashes(self, keys: list[str], batch: int = 1000) -> list[dict[bytes, bytes]]:
+        """HGETALL of many keys in few round trips (thousands of adapters list in milliseconds)."""
+        out = []
+        for i in range(0, len(keys), batch):
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys[i:i + batch]:
+                pipe.hgetall(key)
+            out += pipe.execute()
+        return out
+
+    def blob_refs(self, sha256: str) -> int:
+        """How many entries (live or deleting) point at this blob."""
+        return int(self.redis.scard(self._k("blob", sha256)))
 
     def mark_deleted(self, tenant: str, name: str) -> str | None:
         """Unlist a name (new requests get 404); the entry stays, status deleting, until purged."""
@@ -187,10 +202,13 @@ class Registry:
         """sha256 of every blob some entry (live or deleting) still points at."""
         return {c.sha256 for c in self._all_cards()}
 
+    def checked_under(self, fingerprint: str) -> list[AdapterCard]:
+        """Entries whose content passed its checks under this fingerprint."""
+        return [_card_from_hash(h) for h in self._all_hashes() if h.get(b"checked_for", b"").decode() == fingerprint]
+
     def _all_cards(self) -> list[AdapterCard]:
-        cards = []
-        for key in self.redis.scan_iter(match=self._k("adapter", "*"), count=500):
-            h = self.redis.hgetall(key)
-            if h:
-                cards.append(_card_from_hash(h))
-        return cards
+        return [_card_from_hash(h) for h in self._all_hashes()]
+
+    def _all_hashes(self) -> list[dict[bytes, bytes]]:
+        keys = [k.decode() for k in self.redis.scan_iter(match=self._k("adapter", "*"), count=1000)]
+        return [h for h in self._hashes(keys) if h]

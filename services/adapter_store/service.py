@@ -2,16 +2,21 @@
 
 Clients (gateway, workers, scheduler) talk to it over DEALER sockets: [type, payload, ...] in, the reply
 out to the same identity. The dispatch table below is the store's whole protocol. The loop is
-    1) answer every waiting message  2) when idle, load one prefetched adapter  3) repeat
-so prefetch work never delays a registration or an acquire by more than one adapter load.
+    1) answer every waiting message; a registration's reading, hashing and checks go to a thread pool
+    2) answer the registrations the pool has finished
+    3) when idle, load one prefetched adapter  4) repeat
+so lookups, acquires and releases are answered while a bulk registration runs, registrations run side by
+side, and prefetch work never delays any of them by more than one adapter load.
 """
 from __future__ import annotations
 
 import os
 import signal
 from pathlib import Path
+from concurrent.futures import CancelledError
 from typing import Callable
 
+import torch
 import zmq
 
 from shared.log import configure_logging, get_logger
@@ -25,11 +30,14 @@ from .arena import Arena
 from .blobs import BlobStore
 from .config import StoreConfig
 from .errors import StoreRefusal
+from .offload import Offload, Offloaded
 from .registry import Registry
 from .store import AdapterStore
 
 log = get_logger("adapter_store")
 IDLE_POLL_MS = 100
+# Messages answered before finished registrations get their turn, so a busy socket cannot starve them.
+BATCH = 256
 # The launcher starts Redis first, but it may still be loading its AOF when the store comes up.
 REDIS_WAIT_S = 30.0
 
@@ -39,6 +47,10 @@ class StoreService:
         if not cfg.model_dir:
             raise ValueError("model_dir is required: adapters are checked against the base model's geometry")
         self.cfg = cfg
+        # One thread per tensor op: registrations run side by side on the pool instead. torch's own intra-op
+        # threads, one team per calling thread, spin against the pool and the other services on the machine
+        # (a bulk registration ran 6-10x slower with them on a busy machine).
+        torch.set_num_threads(1)
         if cfg.allowed_root and not Path(cfg.allowed_root).is_dir():
             raise ValueError(f"allowed_root {cfg.allowed_root!r} is not a folder")
         model = ModelConfig.from_dir(cfg.model_dir)
@@ -48,7 +60,8 @@ class StoreService:
             registry.check_durable()
         self.arena = Arena(cfg.arena_bytes, cfg.arena_name or f"loraplex-arena-{os.getpid()}")
         self.store = AdapterStore(cfg, registry, BlobStore(cfg.data_dir), self.arena, model)
-        self.handlers: dict[type, Callable[[Message], Message | None]] = {
+        self.offload = Offload(cfg.registration_threads, "register")
+        self.handlers: dict[type, Callable[[Message], Message | Offloaded | None]] = {
             RegisterAdapter: self.store.register,
             ListAdapters: self.store.list,
             GetAdapter: self.store.get,
@@ -72,58 +85,81 @@ class StoreService:
                     arena_capacity_bytes=arena.capacity, arena_used_bytes=arena.used_bytes,
                     arena_pinned_bytes=arena.pinned_bytes, arena_adapters=len(arena), arena_pins=arena.pin_count)
 
-    def handle(self, frames: list) -> list | None:
-        """Reply frames for one request's frames (identity stripped), or None for no reply."""
+    def handle(self, identity, frames: list) -> list | None:
+        """Reply frames for one request's frames (identity stripped), or None for no reply now (none at all,
+        or one sent when its offloaded work is done)."""
         try:
             msg = decode(frames)
         except WireError as e:
             log.warning("bad_message", error=str(e))
             return encode(StoreError(400, "bad_message", str(e)))
         handler = self.handlers.get(type(msg))
-        call_id = getattr(msg, "call_id", "")
         if handler is None:
             return encode(StoreError(400, "unsupported_message", f"the adapter store does not handle {type(msg).__name__}",
-                                     call_id=call_id))
+                                     call_id=getattr(msg, "call_id", "")))
+        reply = self._answer(msg, lambda: handler(msg))
+        if isinstance(reply, Offloaded):
+            self.offload.submit(reply.work, lambda done: self._send(identity, self._answer(msg, lambda: reply.finish(done.result()))))
+            return None
+        return reply
+
+    def _answer(self, msg: Message, call: Callable[[], Message | Offloaded | None]) -> list | Offloaded | None:
+        """Encoded reply of a handler call, its refusal as a StoreError, or the Offloaded it returned."""
+        call_id = getattr(msg, "call_id", "")
         try:
-            reply = handler(msg)
+            reply = call()
         except StoreRefusal as e:
             log.info("refused", message=type(msg).__name__, status=e.status, code=e.code, reason=e.message)
             return encode(StoreError(e.status, e.code, e.message, e.param, call_id=call_id))
+        except CancelledError:
+            return encode(StoreError(503, "store_stopping", "the adapter store stopped before handling this", call_id=call_id))
         except Exception as e:  # a bug must cost one request, not the store
             log.exception("handler_failed", message=type(msg).__name__)
             return encode(StoreError(500, "internal_error", f"{type(e).__name__}: {e}", call_id=call_id))
-        return encode(reply) if reply is not None else None
+        if reply is None or isinstance(reply, Offloaded):
+            return reply
+        return encode(reply)
+
+    def _send(self, identity, reply: list | None) -> None:
+        if reply is not None:
+            self.socket.send_multipart([identity, *reply], copy=False)
 
     def serve(self) -> None:
         self.store.reconcile()
         self.socket.bind(self.cfg.bind)
-        log.info("ready", bind=self.cfg.bind, arena=self.arena.name, arena_bytes=self.arena.capacity, pid=os.getpid())
+        log.info("ready", bind=self.cfg.bind, arena=self.arena.name, arena_bytes=self.arena.capacity,
+                 registration_threads=self.cfg.registration_threads, pid=os.getpid())
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.offload.fd, zmq.POLLIN)
         while self.running:
-            # 1) answer everything waiting
             timeout = 0 if self.store.warm_queue else IDLE_POLL_MS
-            if poller.poll(timeout):
-                while self.running:
-                    try:
-                        identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    reply = self.handle(frames)
-                    if reply is not None:
-                        self.socket.send_multipart([identity, *reply], copy=False)
+            ready = dict(poller.poll(timeout))
+            if not ready:
+                # 3) idle: load one prefetched adapter
+                try:
+                    self.store.warm_step()
+                except Exception:  # e.g. Redis briefly away: a prefetch is only a hint, drop the rest of it
+                    log.exception("warm_failed")
+                    self.store.warm_queue.clear()
                 continue
-            # 2) idle: load one prefetched adapter
-            try:
-                self.store.warm_step()
-            except Exception:  # e.g. Redis briefly away: a prefetch is only a hint, drop the rest of it
-                log.exception("warm_failed")
-                self.store.warm_queue.clear()
+            # 1) answer everything waiting
+            for _ in range(BATCH if self.socket in ready else 0):
+                try:
+                    identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._send(identity, self.handle(identity, frames))
+                if not self.running:
+                    break
+            # 2) answer finished registrations
+            self.offload.run_finished()
 
     def stop(self, *_args) -> None:
         self.running = False
 
     def close(self) -> None:
+        self.offload.close()  # registrations under way finish and are answered
         self.socket.close()
         self.ctx.term()
         self.arena.close()

@@ -3,6 +3,12 @@
 Order of effects is what makes a crash harmless:
 - register: validate everything -> blob written atomically -> registry entry (one Lua script). A crash
   between the two leaves an orphan blob, which the startup reconciler removes; never an entry without a blob.
+  The reading, hashing, checking and storing run on a pool thread (prepare_registration), several
+  registrations at once; the loop only lays the new adapter into the arena and answers
+  (finish_registration). A content already checked under this base model is not checked again, and its
+  blob is not written again (contents.py): a new name for it costs one read and one hash. Such a name is
+  not laid into the arena at registration (its rows would come from the blob anyway); its first acquire
+  loads it.
 - delete: the name is unlisted at once (new lookups get 404); the entry and its arena rows go when the last
   pin is released (in-flight requests finish first); the blob goes when no entry refers to it any more.
 """
@@ -10,10 +16,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.adapter_layout import pack_adapter
+from services.gpu_worker.adapter_layout import PackedAdapter, pack_adapter
 from shared.log import get_logger
 from shared.model_config import ModelConfig
 from shared.wire import (
@@ -22,11 +29,16 @@ from shared.wire import (
 )
 
 from .arena import Arena, ArenaFull
-from .blobs import BlobStore, content_sha256
+from .blobs import BlobStore, pair_hasher
 from .config import StoreConfig
+from .contents import ContentFacts, ContentTable, check_fingerprint
 from .errors import StoreRefusal, bad_request, not_found
-from .registry import Registry
-from .validation import check_content, check_name, check_tenant, check_upload_size, read_adapter_dir, resolve_under_root
+from .offload import Offloaded
+from .registry import Registry, RegisterResult
+from .validation import (
+    CheckedAdapter, canonical_config, check_content, check_name, check_tenant, check_upload_size, read_adapter_dir,
+    resolve_under_root,
+)
 
 log = get_logger("adapter_store")
 
@@ -39,11 +51,32 @@ def engine_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+@dataclass
+class PreparedRegistration:
+    """What a pool thread hands the loop: the registry's answer, or the name's current entry when the
+    name was taken, and the rows to lay into the arena when the content was checked just now."""
+
+    aid: str
+    result: RegisterResult | None = None
+    taken_by: AdapterCard | None = None
+    packed: PackedAdapter | None = None
+
+
+def _content_hasher(config_json: bytes):
+    """The pair hash of an adapter whose config is this, or None when the config is not valid JSON (the
+    content checks then refuse it with their own message)."""
+    try:
+        return pair_hasher(canonical_config(config_json))
+    except StoreRefusal:
+        return None
+
+
 class AdapterStore:
     def __init__(self, cfg: StoreConfig, registry: Registry, blobs: BlobStore, arena: Arena, model: ModelConfig):
         self.cfg = cfg
         self.registry = registry
         self.blobs = blobs
+        self.contents = ContentTable(blobs, check_fingerprint(model, cfg.max_rank), registry.blob_refs)
         self.arena = arena
         self.model = model
         self.dtype = engine_dtype(cfg.dtype)
@@ -68,51 +101,95 @@ class AdapterStore:
         missing = sorted(sha for sha in referenced if not self.blobs.exists(sha))
         for sha in missing:
             log.error("registry_entry_without_blob", sha256=sha)
-        counts = {"temp_files": temp, "purged": purged, "orphan_blobs": len(orphans), "missing_blobs": len(missing)}
+        # Contents checked under this same model, limit and code need no check when registered again.
+        known = self.registry.checked_under(self.contents.fingerprint)
+        for card in known:
+            self.contents.remember(card.sha256, ContentFacts(card.rank, tuple(card.target_modules)))
+        counts = {"temp_files": temp, "purged": purged, "orphan_blobs": len(orphans), "missing_blobs": len(missing),
+                  "checked_contents": len({c.sha256 for c in known})}
         log.info("reconciled", **counts)
         return counts
 
     # ------------------------------------------------------------------ management
-    def register(self, msg: RegisterAdapter) -> AdapterRegistered:
+    def register(self, msg: RegisterAdapter) -> Offloaded:
+        return Offloaded(lambda: self.prepare_registration(msg), lambda prepared: self.finish_registration(prepared, msg.call_id))
+
+    def prepare_registration(self, msg: RegisterAdapter) -> PreparedRegistration:
+        """On a pool thread: every check, the blob and the registry entry. Touches neither the arena nor
+        the loop's tables; safe to run for many registrations at once."""
         name = check_name(msg.name)
         tenant = check_tenant(msg.tenant)
+        limit = self.cfg.max_upload_bytes
         if msg.path is not None:
             if msg.config_json is not None or msg.model_safetensors is not None:
                 raise bad_request("invalid_request", "give either uploaded files or a server path, not both", "path")
             folder = resolve_under_root(msg.path, self.cfg.allowed_root)
-            config_json, model_st = read_adapter_dir(folder, self.cfg.allowed_root, self.cfg.max_upload_bytes)
+            # Hashed in the same pass as it is read.
+            config_json, model_st, hasher = read_adapter_dir(folder, self.cfg.allowed_root, limit, _content_hasher)
         else:
             if msg.config_json is None:
                 raise bad_request("missing_file", "adapter_config (adapter_config.json) is required", "adapter_config")
             if msg.model_safetensors is None:
                 raise bad_request("missing_file", "adapter_model (adapter_model.safetensors) is required", "adapter_model")
-            config_json, model_st = msg.config_json, msg.model_safetensors
-        check_upload_size(config_json, model_st, self.cfg.max_upload_bytes)
-        checked = check_content(config_json, model_st, self.model, self.cfg.max_rank)
-        sha = content_sha256(checked.config_json, checked.model_safetensors)
+            config_json, model_st, hasher = msg.config_json, msg.model_safetensors, None
+        check_upload_size(config_json, model_st, limit)
+        if msg.path is None:
+            hasher = _content_hasher(config_json)
+            if hasher is not None:
+                hasher.update(model_st)
+        if hasher is None:  # the config is not JSON: the checks name the first problem (a pickle, or the config)
+            check_content(config_json, model_st, self.model, self.cfg.max_rank)
+            canonical_config(config_json)  # not reached: check_content has refused the config already
+        sha = hasher.hexdigest()
+        canonical = canonical_config(config_json)
+
+        checked: list[CheckedAdapter] = []
+
+        def check() -> ContentFacts:
+            checked.append(check_content(config_json, model_st, self.model, self.cfg.max_rank))
+            return ContentFacts(checked[0].rank, tuple(checked[0].target_modules))
+
+        facts = self.contents.checked(sha, check)
         aid = adapter_id(tenant, name, sha)
 
         # Answer duplicates before writing anything: a 409 must leave the store exactly as it was.
         current = self.registry.lookup_own(tenant, name)
         if current is not None:
-            return self._existing(current, aid, msg.call_id)
+            return PreparedRegistration(aid, taken_by=current)
 
-        self.blobs.put(checked.config_json, checked.model_safetensors)
-        card = AdapterCard(id=aid, name=name, tenant=tenant, rank=checked.rank, target_modules=checked.target_modules,
-                           sha256=sha, bytes=len(checked.config_json) + len(checked.model_safetensors),
-                           created=time.time(), status="ready")
-        result = self.registry.register(card)
-        if result.outcome != "created":
-            return self._existing(result.card, aid, msg.call_id)
-        self.deleting.discard(aid)
-        log.info("adapter_registered", adapter=aid, tenant=tenant, rank=card.rank, bytes=card.bytes)
-        # Lay it out for the workers now: the first request that uses it needs no disk read.
+        wrote = self.contents.hold(sha, canonical, model_st)
         try:
-            checked.weights.name = aid
-            self.arena.put(aid, pack_adapter(checked.weights, self.model, self.slot_width, self.dtype))
-        except ArenaFull as e:
-            log.info("arena_skip_on_register", adapter=aid, reason=str(e))
-        return AdapterRegistered(self._with_residency(result.card), created=True, call_id=msg.call_id)
+            card = AdapterCard(id=aid, name=name, tenant=tenant, rank=facts.rank, target_modules=list(facts.target_modules),
+                               sha256=sha, bytes=len(canonical) + len(model_st), created=time.time(), status="ready")
+            result = self.registry.register(card, checked_for=self.contents.fingerprint)
+        finally:
+            self.contents.release(sha)
+        if result.outcome != "created":
+            if wrote:  # the name was taken meanwhile: the blob this call wrote may be nobody's
+                self.contents.delete_blob(sha)
+            return PreparedRegistration(aid, result=result)
+        log.info("adapter_registered", adapter=aid, tenant=tenant, rank=card.rank, bytes=card.bytes,
+                 checked=bool(checked), blob_written=wrote)
+        packed = None
+        if checked:  # lay it out for the workers: the first request that uses it needs no disk read
+            checked[0].weights.name = aid
+            packed = pack_adapter(checked[0].weights, self.model, self.slot_width, self.dtype)
+        return PreparedRegistration(aid, result=result, packed=packed)
+
+    def finish_registration(self, prepared: PreparedRegistration, call_id: str) -> AdapterRegistered:
+        """On the loop: the answer, after laying fresh rows into the arena."""
+        if prepared.taken_by is not None:
+            return self._existing(prepared.taken_by, prepared.aid, call_id)
+        result = prepared.result
+        if result.outcome != "created":
+            return self._existing(result.card, prepared.aid, call_id)
+        self.deleting.discard(prepared.aid)
+        if prepared.packed is not None:
+            try:
+                self.arena.put(prepared.aid, prepared.packed)
+            except ArenaFull as e:
+                log.info("arena_skip_on_register", adapter=prepared.aid, reason=str(e))
+        return AdapterRegistered(self._with_residency(result.card), created=True, call_id=call_id)
 
     def _existing(self, current: AdapterCard | None, aid: str, call_id: str) -> AdapterRegistered:
         if current is None or current.id != aid:
@@ -150,10 +227,9 @@ class AdapterStore:
     def _purge(self, aid: str) -> None:
         card = self.registry.by_id(aid)
         remaining = self.registry.purge(aid)
-        if remaining == 0 and card is not None:
-            self.blobs.delete(card.sha256)
+        dropped = remaining == 0 and card is not None and self.contents.delete_blob(card.sha256)
         if remaining >= 0:
-            log.info("adapter_deleted", adapter=aid, blob_dropped=remaining == 0)
+            log.info("adapter_deleted", adapter=aid, blob_dropped=dropped)
 
     def _with_residency(self, card: AdapterCard) -> AdapterCard:
         card.host_resident = card.id in self.arena

@@ -13,6 +13,7 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from shared.lora_weights import LoraWeights
 from shared.model_config import MODULES, ModelConfig
@@ -88,37 +89,70 @@ def resolve_under_root(path: str, allowed_root: str) -> Path:
     return real
 
 
-def read_adapter_dir(folder: Path, root: str, limit: int) -> tuple[bytes, bytes]:
-    """The two adapter files of a folder under the root, each checked for escapes and size before reading."""
+READ_CHUNK = 1 << 20  # hashed while still in cache from the read
+
+
+def read_adapter_dir(folder: Path, root: str, limit: int,
+                     start_hash: Callable[[bytes], Any] | None = None) -> tuple[bytes, bytearray, Any]:
+    """The two adapter files of a folder under the root, each checked for escapes and size before reading.
+
+    The model file is read in chunks into one buffer; `start_hash(config bytes)` may return a hash object,
+    which is fed each chunk as it arrives (the content is hashed in the same pass as it is read). Returns
+    (config bytes, model bytes, that hash object or None)."""
     real_root = Path(root).resolve(strict=True)
     if not (folder / MODEL_FILE).exists():
         pickled = [p for p in PICKLE_FILES if (folder / p).exists()]
         if pickled:
             raise bad_request("pickle_refused", f"{pickled[0]} is a pickle format and is never loaded; provide {MODEL_FILE}", "path")
-    contents = []
-    budget = limit
-    for fname in (CONFIG_FILE, MODEL_FILE):
-        p = folder / fname
-        try:
-            real = p.resolve(strict=True)
-        except (OSError, RuntimeError):
-            raise bad_request("invalid_adapter", f"{fname} is missing from the adapter folder", "path") from None
-        if not real.is_relative_to(real_root):
-            raise bad_request("invalid_path", f"{fname} links outside the allowed root", "path")
-        # O_NOFOLLOW: the file cannot be swapped for a symlink between the check above and the open.
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise bad_request("invalid_adapter", f"{fname} is not a regular file", "path")
-            if st.st_size > budget:
-                raise StoreRefusal(413, "adapter_too_large", f"adapter files exceed the limit of {limit} bytes", "path")
-            data = f.read(budget + 1)
-        if len(data) > budget:
-            raise StoreRefusal(413, "adapter_too_large", f"adapter files exceed the limit of {limit} bytes", "path")
-        budget -= len(data)
-        contents.append(data)
-    return contents[0], contents[1]
+    config_json = _read_under_root(folder, CONFIG_FILE, real_root, limit, limit, None)
+    hasher = start_hash(bytes(config_json)) if start_hash is not None else None
+    model = _read_under_root(folder, MODEL_FILE, real_root, limit - len(config_json), limit, hasher)
+    return bytes(config_json), model, hasher
+
+
+def _read_under_root(folder: Path, fname: str, real_root: Path, budget: int, limit: int, hasher) -> bytearray:
+    p = folder / fname
+    try:
+        real = p.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise bad_request("invalid_adapter", f"{fname} is missing from the adapter folder", "path") from None
+    if not real.is_relative_to(real_root):
+        raise bad_request("invalid_path", f"{fname} links outside the allowed root", "path")
+    too_large = StoreRefusal(413, "adapter_too_large", f"adapter files exceed the limit of {limit} bytes", "path")
+    # O_NOFOLLOW: the file cannot be swapped for a symlink between the check above and the open.
+    # O_NONBLOCK: a FIFO put in the file's place is refused below instead of holding a registration thread
+    # until someone writes to it (it changes nothing for a regular file).
+    fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise bad_request("invalid_adapter", f"{fname} is not a regular file", "path")
+        if st.st_size > budget:
+            raise too_large
+        # One byte over the size seen, to notice a file that grew since it was checked.
+        data = bytearray(st.st_size + 1)
+        view = memoryview(data)
+        n = 0
+        while n < len(data):
+            got = f.readinto(view[n:n + READ_CHUNK])
+            if not got:
+                break
+            if hasher is not None:
+                hasher.update(view[n:n + got])
+            n += got
+        view.release()
+        while n == len(data) and n <= budget:  # it grew: read on, at most one byte past the budget
+            rest = f.read(min(READ_CHUNK, budget + 1 - n))
+            if not rest:
+                break
+            if hasher is not None:
+                hasher.update(rest)
+            data += rest
+            n += len(rest)
+    if n > budget:
+        raise too_large
+    del data[n:]
+    return data
 
 
 @dataclass
