@@ -119,37 +119,8 @@ class AdapterStore:
         the loop's tables; safe to run for many registrations at once."""
         name = check_name(msg.name)
         tenant = check_tenant(msg.tenant)
-        limit = self.cfg.max_upload_bytes
-        if msg.path is not None:
-            if msg.config_json is not None or msg.model_safetensors is not None:
-                raise bad_request("invalid_request", "give either uploaded files or a server path, not both", "path")
-            folder = resolve_under_root(msg.path, self.cfg.allowed_root)
-            # Hashed in the same pass as it is read.
-            config_json, model_st, hasher = read_adapter_dir(folder, self.cfg.allowed_root, limit, _content_hasher)
-        else:
-            if msg.config_json is None:
-                raise bad_request("missing_file", "adapter_config (adapter_config.json) is required", "adapter_config")
-            if msg.model_safetensors is None:
-                raise bad_request("missing_file", "adapter_model (adapter_model.safetensors) is required", "adapter_model")
-            config_json, model_st, hasher = msg.config_json, msg.model_safetensors, None
-        check_upload_size(config_json, model_st, limit)
-        if msg.path is None:
-            hasher = _content_hasher(config_json)
-            if hasher is not None:
-                hasher.update(model_st)
-        if hasher is None:  # the config is not JSON: the checks name the first problem (a pickle, or the config)
-            check_content(config_json, model_st, self.model, self.cfg.max_rank)
-            canonical_config(config_json)  # not reached: check_content has refused the config already
-        sha = hasher.hexdigest()
-        canonical = canonical_config(config_json)
-
-        checked: list[CheckedAdapter] = []
-
-        def check() -> ContentFacts:
-            checked.append(check_content(config_json, model_st, self.model, self.cfg.max_rank))
-            return ContentFacts(checked[0].rank, tuple(checked[0].target_modules))
-
-        facts = self.contents.checked(sha, check)
+        config_json, model_st, sha = self._read_hashed(msg)
+        facts, checked = self._checked(sha, config_json, model_st)
         aid = adapter_id(tenant, name, sha)
 
         # Answer duplicates before writing anything: a 409 must leave the store exactly as it was.
@@ -157,10 +128,11 @@ class AdapterStore:
         if current is not None:
             return PreparedRegistration(aid, taken_by=current)
 
+        canonical = canonical_config(config_json)
+        card = AdapterCard(id=aid, name=name, tenant=tenant, rank=facts.rank, target_modules=list(facts.target_modules),
+                           sha256=sha, bytes=len(canonical) + len(model_st), created=time.time(), status="ready")
         wrote = self.contents.hold(sha, canonical, model_st)
         try:
-            card = AdapterCard(id=aid, name=name, tenant=tenant, rank=facts.rank, target_modules=list(facts.target_modules),
-                               sha256=sha, bytes=len(canonical) + len(model_st), created=time.time(), status="ready")
             result = self.registry.register(card, checked_for=self.contents.fingerprint)
         finally:
             self.contents.release(sha)
@@ -169,12 +141,49 @@ class AdapterStore:
                 self.contents.delete_blob(sha)
             return PreparedRegistration(aid, result=result)
         log.info("adapter_registered", adapter=aid, tenant=tenant, rank=card.rank, bytes=card.bytes,
-                 checked=bool(checked), blob_written=wrote)
+                 checked=checked is not None, blob_written=wrote)
         packed = None
-        if checked:  # lay it out for the workers: the first request that uses it needs no disk read
-            checked[0].weights.name = aid
-            packed = pack_adapter(checked[0].weights, self.model, self.slot_width, self.dtype)
+        if checked is not None:  # lay it out for the workers: the first request that uses it needs no disk read
+            checked.weights.name = aid
+            packed = pack_adapter(checked.weights, self.model, self.slot_width, self.dtype)
         return PreparedRegistration(aid, result=result, packed=packed)
+
+    def _read_hashed(self, msg: RegisterAdapter) -> tuple[bytes, bytes | bytearray, str]:
+        """The adapter's two files, from the message or read from its folder, and their sha256."""
+        limit = self.cfg.max_upload_bytes
+        if msg.path is not None:
+            if msg.config_json is not None or msg.model_safetensors is not None:
+                raise bad_request("invalid_request", "give either uploaded files or a server path, not both", "path")
+            folder = resolve_under_root(msg.path, self.cfg.allowed_root)
+            # Hashed in the same pass as it is read.
+            config_json, model_st, hasher = read_adapter_dir(folder, self.cfg.allowed_root, limit, _content_hasher)
+            check_upload_size(config_json, model_st, limit)
+        else:
+            if msg.config_json is None:
+                raise bad_request("missing_file", "adapter_config (adapter_config.json) is required", "adapter_config")
+            if msg.model_safetensors is None:
+                raise bad_request("missing_file", "adapter_model (adapter_model.safetensors) is required", "adapter_model")
+            config_json, model_st = msg.config_json, msg.model_safetensors
+            check_upload_size(config_json, model_st, limit)
+            hasher = _content_hasher(config_json)
+            if hasher is not None:
+                hasher.update(model_st)
+        if hasher is None:  # the config is not JSON: the checks name the first problem (a pickle, or the config)
+            check_content(config_json, model_st, self.model, self.cfg.max_rank)
+            canonical_config(config_json)  # not reached: check_content has refused the config already
+        return config_json, model_st, hasher.hexdigest()
+
+    def _checked(self, sha: str, config_json: bytes, model_st: bytes | bytearray) -> tuple[ContentFacts, CheckedAdapter | None]:
+        """The content's facts, and its parsed weights when its checks ran here (None when this content had
+        passed them before, under this model)."""
+        checked: list[CheckedAdapter] = []
+
+        def check() -> ContentFacts:
+            checked.append(check_content(config_json, model_st, self.model, self.cfg.max_rank))
+            return ContentFacts(checked[0].rank, tuple(checked[0].target_modules))
+
+        facts = self.contents.checked(sha, check)
+        return facts, (checked[0] if checked else None)
 
     def finish_registration(self, prepared: PreparedRegistration, call_id: str) -> AdapterRegistered:
         """On the loop: the answer, after laying fresh rows into the arena."""
