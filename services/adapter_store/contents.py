@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from shared import adapter_format, model_config
 from shared.model_config import ModelConfig
 
+from . import validation
 from .blobs import BlobStore
 
 # Bounds memory, not correctness: a forgotten content is checked again the next time it comes.
@@ -44,13 +46,9 @@ class ContentFacts:
 def check_fingerprint(model: ModelConfig, max_rank: int) -> str:
     """Names everything besides the bytes that a content check depends on: the base model's geometry, the
     rank limit, and the source of the checks themselves (a changed rule means checking again)."""
-    from shared import adapter_format
-
-    from . import validation
-
     h = hashlib.sha256(json.dumps({"model": dataclasses.asdict(model), "max_rank": max_rank},
                                   sort_keys=True, default=str).encode())
-    for module in (adapter_format, validation):
+    for module in (adapter_format, model_config, validation):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:32]
 
