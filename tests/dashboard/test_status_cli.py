@@ -68,8 +68,11 @@ def test_an_unreachable_server_is_an_error_not_a_traceback():
 
 
 def test_watch_redraws_until_interrupted(stack):
+    # A shell runs background jobs with SIGINT ignored and children inherit that (Python then installs no
+    # handler): give the command Ctrl-C's default, as a terminal would.
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "status", "--url", stack.url, "--watch", "0.5"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(3.0)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
