@@ -187,7 +187,8 @@ class Launcher:
 
             names = register_demo(self.base_url, self.demo_folders, self.admin_headers())
             log.info("demo.registered", adapters=names)
-        log.info("loraplex.ready", url=self.base_url, workers=self.config.workers, data_dir=str(self.data_dir))
+        log.info("loraplex.ready", url=self.base_url, dashboard=f"{self.base_url}/dashboard", workers=self.config.workers,
+                 data_dir=str(self.data_dir))
 
     def wait_stack_ready(self) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
