@@ -21,7 +21,7 @@ from pathlib import Path
 import zmq
 
 from shared.log import configure_logging, get_logger
-from shared.probes import free_port
+from shared.probes import free_ports
 
 from .launcher_children import Child, ChildFailed, stop_children
 from .launcher_commands import Topology, model_dir_of, service_commands
@@ -127,9 +127,9 @@ class Launcher:
         on_cuda = device.startswith("cuda")
         dtype = cfg.dtype or ("bfloat16" if on_cuda else "float32")
         num_slots = cfg.num_slots or (0 if on_cuda else 4096)
-        redis_port = free_port()
+        # Redis and the three ZeroMQ endpoints: four distinct ports, none of them the HTTP port.
+        redis_port, *ports = free_ports(4, exclude={cfg.port})
         redis_url = cfg.redis_url or f"redis://127.0.0.1:{redis_port}/0"
-        ports = [free_port() for _ in range(3)]
         addr = [f"tcp://127.0.0.1:{p}" for p in ports]
         topo = Topology(
             redis_url=redis_url, store_bind=addr[0], store_addr=addr[0],

@@ -10,9 +10,26 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1", exclude: set[int] = frozenset()) -> list[int]:
+    """`count` distinct ports free now. Every probe socket stays open until all are chosen: closing each
+    before asking for the next lets the kernel hand out the same port twice."""
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            sockets.append(s)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in exclude:
+                ports.append(port)
+        return ports
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _stat_fields(pid: int | str) -> list[str] | None:
