@@ -30,7 +30,7 @@ from .page_table import PageTable
 from .pool import UnifiedPool
 from .requests import EngineRequest, RequestOutput, Sequence, StepInFlight
 from .resident_adapters import ResidentAdapters
-from .sampling import finish_sampling, start_greedy
+from .sampling import GreedyTokens, finish_sampling
 from .weights import ModelWeights, dummy_weights, load_weights
 
 log = get_logger(__name__)
@@ -182,9 +182,9 @@ class Engine:
         for seq, n in scheduled:
             seq.num_computed += n
         flight.samplers, flight.logits = samplers, logits
-        flight.scheduled, flight.num_scheduled = {seq for seq, _ in scheduled}, len(scheduled)
+        flight.scheduled = {seq for seq, _ in scheduled}
         if samplers:
-            flight.greedy = start_greedy(logits)
+            flight.greedy = GreedyTokens(logits)
         self._in_flight = flight
         return flight
 

@@ -30,7 +30,7 @@ def lookahead_rows(flight: StepInFlight, num_running: int, deferred_aborts: set[
     """Rows of `flight.samplers` that continue into the next step, or None when it must be scheduled on
     the host after `flight`'s tokens arrive."""
     samplers = flight.samplers
-    if not samplers or flight.greedy is None or flight.num_scheduled != len(samplers):
+    if not samplers or flight.greedy is None or len(flight.scheduled) != len(samplers):
         return None
     if num_running != len(samplers) - len(flight.dropped):
         return None  # someone running was not in this step (token budget): let the scheduler see them

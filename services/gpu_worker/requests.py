@@ -68,9 +68,8 @@ class StepInFlight:
     outputs: list[RequestOutput]
     samplers: list[Sequence] = field(default_factory=list)
     logits: torch.Tensor | None = None
-    greedy: object = None  # sampling.start_greedy's handle
+    greedy: object = None  # sampling.GreedyTokens of the logits
     scheduled: set = field(default_factory=set)  # every request whose slots the step writes
-    num_scheduled: int = 0
     replayed: bool = False  # a decode step replayed from a CUDA graph (else run eagerly)
     # Requests that ended (stop token) in the step before this one, which was launched before that was
     # known: their token here is dropped, and their slots are freed once this step is done with them.

@@ -82,10 +82,6 @@ class GreedyTokens:
         return self.host.tolist()
 
 
-def start_greedy(logits: torch.Tensor) -> GreedyTokens:
-    return GreedyTokens(logits)
-
-
 def finish_sampling(greedy: GreedyTokens, logits: torch.Tensor, params: list[SamplingParams],
                     generators: list[torch.Generator | None]) -> list[int]:
     """Greedy rows from the argmax copy; other rows drawn on the host from their own generator."""
@@ -100,4 +96,4 @@ def finish_sampling(greedy: GreedyTokens, logits: torch.Tensor, params: list[Sam
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of `logits` [N, vocab]. Greedy rows share one argmax (one device sync)."""
-    return finish_sampling(start_greedy(logits), logits, params, generators)
+    return finish_sampling(GreedyTokens(logits), logits, params, generators)
