@@ -10,7 +10,6 @@ from tests.reliability.conftest import Stack
 
 DEMO_ADAPTERS = ("demo-000", "demo-001", "demo-002", "demo-003")
 BASE_MODEL = "model"  # the embedded default model's served name
-VOCAB_SIZE = 512  # shared.tiny_model.VOCAB_SIZE
 
 
 def demo_model_for(request) -> str:

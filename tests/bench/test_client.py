@@ -11,7 +11,8 @@ from bench.client import STREAMS_PER_CLIENT, RequestRecord, _Clients, _Stream, a
 from bench.workload import TraceRequest, make_trace
 from services.gateway.sse import DONE, event
 from shared.probes import free_port, metric
-from tests.bench.conftest import BASE_MODEL, VOCAB_SIZE, demo_model_for
+from shared.tiny_model import VOCAB_SIZE
+from tests.bench.conftest import BASE_MODEL, demo_model_for
 
 
 def server_tokens(stack) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from bench.client import RequestRecord, run_trace
 from bench.metrics import ServerSampler, _CounterDelta, summarize
 from bench.workload import TraceRequest
 from shared.probes import free_port, metric
-from tests.bench.conftest import VOCAB_SIZE
+from shared.tiny_model import VOCAB_SIZE
 from tests.e2e.conftest import upload
 
 

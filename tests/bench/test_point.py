@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from bench.point import PointSpec, run_point
-from tests.bench.conftest import VOCAB_SIZE, demo_model_for
+from shared.tiny_model import VOCAB_SIZE
+from tests.bench.conftest import demo_model_for
 
 CONTRACT_FIELDS = {
     "setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy", "throughput_rps", "output_tok_s",
