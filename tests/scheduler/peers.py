@@ -5,9 +5,10 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import zmq
 
-from shared.wire import Ping, Pong, WorkerStatus, decode, encode
+from shared.wire import Ping, Pong, SubmitRequest, WorkerStatus, decode, encode
 
 
 class Peer:
@@ -61,6 +62,11 @@ def status(worker_id: str, step: int = 0, free_slots: int = 10_000, resident=(),
     return WorkerStatus(worker_id=worker_id, step=step, total_slots=10_000, free_slots=free_slots, kv_slots=0,
                         adapter_slots=0, running=running, waiting=waiting, resident_adapters=list(resident),
                         finished_request_ids=list(finished), ready=ready, max_running=max_running)
+
+
+def submit(rid, adapter=None, prompt=(1, 2, 3), tenant="", max_tokens=4):
+    return SubmitRequest(request_id=rid, prompt_ids=np.array(prompt, dtype=np.int32), adapter=adapter,
+                         tenant=tenant, max_tokens=max_tokens)
 
 
 class SchedulerProcess:

@@ -1,31 +1,15 @@
 """A fixed queue order (scheduler.queue_order), used to compare admission policies against S-LoRA's switch."""
-import numpy as np
 import pytest
 
 from services.scheduler.config import SchedulerConfig
-from shared.wire import Ping, Pong, SubmitRequest
-from tests.scheduler.peers import SchedulerProcess
-
-
-@pytest.fixture
-def start(tmp_path):
-    procs = []
-
-    def _start(**options):
-        proc = SchedulerProcess(tmp_path, **options)
-        procs.append(proc)
-        proc.wait_ready()
-        return proc
-
-    yield _start
-    for proc in procs:
-        proc.stop()
+from shared.wire import Ping, Pong
+from tests.scheduler.peers import submit
 
 
 def queue_then_take(sched, n: int) -> list[str]:
     gw = sched.gateway()
     for i in range(n):
-        gw.send(SubmitRequest(request_id=f"r{i}", prompt_ids=np.array([1, 2, 3], dtype=np.int32), max_tokens=4))
+        gw.send(submit(f"r{i}"))
     gw.send(Ping(call_id="queued"))
     assert gw.recv(Pong).queue_depth == n
     # The worker connects after all are queued and takes one at a time: the order it gets them is the policy's.

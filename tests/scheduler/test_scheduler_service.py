@@ -7,30 +7,10 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from shared.wire import (
-    AbortRequest, Assign, Ping, Pong, PrefetchHint, RequestRejected, SubmitRequest, TokenBatch, TokenOutput,
-    WorkerAbort, WorkerStatus,
+    AbortRequest, Assign, Ping, Pong, PrefetchHint, RequestRejected, TokenBatch, TokenOutput, WorkerAbort,
+    WorkerStatus,
 )
-from tests.scheduler.peers import SchedulerProcess, status
-
-
-@pytest.fixture
-def start(tmp_path):
-    procs = []
-
-    def _start(**options):
-        proc = SchedulerProcess(tmp_path, **options)
-        procs.append(proc)
-        proc.wait_ready()
-        return proc
-
-    yield _start
-    for proc in procs:
-        proc.stop()
-
-
-def submit(rid, adapter=None, prompt=(1, 2, 3), tenant="", max_tokens=4):
-    return SubmitRequest(request_id=rid, prompt_ids=np.array(prompt, dtype=np.int32), adapter=adapter,
-                         tenant=tenant, max_tokens=max_tokens)
+from tests.scheduler.peers import status, submit
 
 
 def out(rid, ids, finished=False):
