@@ -9,6 +9,8 @@ import sys
 import threading
 from pathlib import Path
 
+WORK_DIR = Path("data") / "bench"  # git-ignored; shared by every sweep
+
 DESCRIPTION = """Benchmarks of BENCHMARKS.md: the S-LoRA workload (Gamma arrivals, power-law adapter popularity,
 uniform lengths) sent through the HTTP gateway of a stack started for one system, measured as one JSON
 line per point (docs/bench/<sweep>.jsonl), each set against a roofline from ceilings measured in the same
@@ -58,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("spec", help="sweep spec (YAML)")
     sweep.add_argument("--budget-s", type=float, default=540.0,
                        help="wall time of this piece, stack startups included (default 540: under 10 minutes)")
-    sweep.add_argument("--work-dir", help="adapters, stack data, logs, timings, shared by every sweep (default data/bench)")
+    sweep.add_argument("--work-dir", type=Path, default=WORK_DIR,
+                       help="adapters, stack data, logs, timings, shared by every sweep (default %(default)s)")
     sweep.add_argument("--out-dir", default="docs/bench", help="results folder (default docs/bench)")
     sweep.add_argument("--dry-run", action="store_true", help="list the points and stacks still to run, run nothing")
     sweep.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -99,7 +102,8 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arena-gb", type=float, default=0.0, help="host-RAM adapter cache (GiB; 0 = launcher default)")
     p.add_argument("--num-slots", type=int, default=0, help="pool slots (0 = from GPU memory)")
     p.add_argument("--set", action="append", default=[], metavar="SERVICE.FLAG=VALUE", help="extra stack flag")
-    p.add_argument("--work-dir", help="adapters, stack data, logs, shared by every sweep (default data/bench)")
+    p.add_argument("--work-dir", type=Path, default=WORK_DIR,
+                   help="adapters, stack data, logs, shared by every sweep (default %(default)s)")
 
 
 def _command(argv: list[str]) -> str:
@@ -110,7 +114,6 @@ def cmd_sweep(args, argv) -> int:
     from bench.driver import MORE_PIECES, Driver, SweepSpec, expand, done_keys, groups, point_key
 
     spec = SweepSpec.load(args.spec)
-    work_dir = Path(args.work_dir) if args.work_dir else Path("data") / "bench"
     results = Path(args.out_dir) / f"{spec.name}.jsonl"
     if args.dry_run:
         done = done_keys(results)
@@ -121,7 +124,7 @@ def cmd_sweep(args, argv) -> int:
                 sys.stdout.write(f"  {point_key(p)}\n")
         return 0
     _unwind_on_sigterm()
-    driver = Driver(spec, work_dir, results, args.budget_s, _command(argv), progress=not args.quiet)
+    driver = Driver(spec, args.work_dir, results, args.budget_s, _command(argv), progress=not args.quiet)
     result = driver.run_piece()
     sys.stdout.write(f"{spec.name}: {len(result.ran)} points measured in this piece, "
                      f"{result.total - result.remaining} of {result.total} in {results}\n")
@@ -139,9 +142,8 @@ def cmd_run(args, argv) -> int:
                      cvs=[args.cv], alphas=[args.alpha], policies=[args.policy], duration_s=args.duration_s,
                      warmup_s=args.warmup_s, seed=args.seed, device=args.device, arena_gb=args.arena_gb,
                      num_slots=args.num_slots, set=args.set)
-    work_dir = Path(args.work_dir) if args.work_dir else Path("data") / "bench"
     _unwind_on_sigterm()
-    driver = Driver(spec, work_dir, out, float("inf"), _command(argv))
+    driver = Driver(spec, args.work_dir, out, float("inf"), _command(argv))
     if args.url:
         return _run_against(driver, args.url)
     result = driver.run_piece()
