@@ -423,8 +423,8 @@ def pool_total_slots(url: str) -> int:
 
     try:
         text = httpx.get(url + "/metrics", timeout=10.0).text
-        return int(sum(v for v in [metric(text, "loraplex_pool_slots", worker="worker-0", kind="total")] if v))
-    except Exception:
+        return int(metric(text, "loraplex_pool_slots", worker="worker-0", kind="total") or 0)
+    except (httpx.HTTPError, ValueError):  # no server metrics, or not Prometheus text (as ServerSampler)
         return 0
 
 
