@@ -157,7 +157,7 @@ class Engine:
             flight.outputs, self._pending = self._pending, []
             return flight
         scheduled = self._schedule()
-        if self.adapters.held_names - set(self.adapters.names):
+        if self.adapters.has_staged:
             self.adapters.keep_staged({s.req.adapter for s in self.waiting if s.req.adapter})
         outputs, self._pending = self._pending, []
         return self._launch(scheduled, StepInFlight(outputs))

@@ -70,6 +70,11 @@ class ResidentAdapters:
         """Adapters whose host rows may still be read: resident in the pool, or staged for admission."""
         return set(self._by_name) | set(self._staged)
 
+    @property
+    def has_staged(self) -> bool:
+        """Whether some adapter is loaded for admission but not yet in the pool."""
+        return bool(self._staged)
+
     def keep_staged(self, wanted: set[str]) -> None:
         """Forget staged adapters no waiting request wants any more (e.g. the one waiting was aborted)."""
         for name in [n for n in self._staged if n not in wanted]:
