@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import fields
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, synthetic_adapter
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
-from shared.config import EngineConfig
+from shared.config import EngineConfig, add_config_arguments
 from shared.model_config import ModelConfig
 
 
@@ -32,15 +33,15 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=15.0)
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
-    p.add_argument("--set", action="append", default=[], help="extra EngineConfig field, NAME=VALUE")
+    # Every other engine setting as the worker's own flag (e.g. --no-overlap-steps, --admission-batch 1).
+    set_here = ("device", "dtype", "num_slots", "max_lora_rank", "max_resident_adapters", "max_running_requests",
+                "max_batched_tokens", "cuda_graph_max_batch")
+    add_config_arguments(p.add_argument_group("engine"), EngineConfig, skip=set_here)
     p.add_argument("--out", default="engine_trace.json")
     args = p.parse_args()
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
     ranks = [int(r) for r in args.ranks.split(",")]
-    extra = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        extra[key] = type(getattr(EngineConfig(), key))(value) if not isinstance(getattr(EngineConfig(), key), bool) else value == "true"
+    extra = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in set_here}
     config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=0, max_lora_rank=max(ranks),
                           max_resident_adapters=max(args.adapters, 1) + 8, max_running_requests=args.max_running,
                           max_batched_tokens=args.max_batched_tokens, cuda_graph_max_batch=args.max_running,
@@ -86,7 +87,7 @@ def main() -> int:
               "eager_step_ms": 1e3 * float(np.mean(steps["eager"])) if steps["eager"] else None,
               "eager_time_share": sum(steps["eager"]) / wall, "running_at_end": len(engine.running),
               "preemptions": engine.num_preemptions, "pool_slots": engine.pool.num_slots,
-              "config": {k: v for k, v in extra.items()}}
+              "config": {k: v for k, v in extra.items() if v != getattr(EngineConfig, k)}}
     print(json.dumps(result), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")
