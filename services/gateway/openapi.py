@@ -133,6 +133,20 @@ def _chat_request(state) -> dict:
     }
 
 
+def _completion_object(object_name: str, content_key: str, content: dict, finish: dict) -> dict:
+    """A non-streamed answer: completions and chat completions differ only in the object name and in what each
+    choice carries (`text`, or an assistant `message`)."""
+    return {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": object_name}, "created": {"type": "integer"},
+            "model": {"type": "string"}, "usage": _ref("Usage"),
+            "choices": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["index", content_key, "finish_reason"],
+                "properties": {"index": {"type": "integer"}, content_key: content, "logprobs": {"type": "null"},
+                               "finish_reason": finish}}}}}
+
+
 def _schemas(state) -> dict:
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
              "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
@@ -155,26 +169,11 @@ def _schemas(state) -> dict:
         "CompletionRequest": _completion_request(state),
         "ChatCompletionRequest": _chat_request(state),
         "Usage": usage,
-        "Completion": {
-            "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-            "properties": {
-                "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
-                "model": {"type": "string"}, "usage": _ref("Usage"),
-                "choices": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["index", "text", "finish_reason"],
-                    "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "logprobs": {"type": "null"},
-                                   "finish_reason": finish}}}}},
-        "ChatCompletion": {
-            "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-            "properties": {
-                "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-                "model": {"type": "string"}, "usage": _ref("Usage"),
-                "choices": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "required": ["index", "message", "finish_reason"],
-                    "properties": {"index": {"type": "integer"}, "logprobs": {"type": "null"}, "finish_reason": finish,
-                                   "message": {"type": "object", "required": ["role", "content"],
-                                               "properties": {"role": {"const": "assistant"},
-                                                              "content": {"type": "string"}}}}}}}},
+        "Completion": _completion_object("text_completion", "text", {"type": "string"}, finish),
+        "ChatCompletion": _completion_object(
+            "chat.completion", "message", finish=finish,
+            content={"type": "object", "required": ["role", "content"],
+                     "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}),
         "Model": {
             "type": "object", "required": ["id", "object", "parent", "residency"],
             "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
