@@ -89,17 +89,25 @@ const LPChart = (() => {
     });
   }
 
-  // series: [{label, color, value: point => number|null}]
-  function line(canvas, points, opts) {
+  // What every chart does first: remember its data (hover redraws with it), clear the canvas and pick the
+  // time window, the last `span` seconds up to the newest point. Null while the canvas has no size.
+  function begin(canvas, points, opts, draw) {
     const state = canvas._lp || (canvas._lp = {});
-    state.redraw = () => line(canvas, state.points, state.opts);
+    state.redraw = () => draw(canvas, state.points, state.opts);
     state.points = points; state.opts = opts;
     attachHover(canvas, state);
     const g = prepare(canvas);
-    if (!g.plotW || !g.plotH) return;
+    if (!g.plotW || !g.plotH) return null;
     const span = opts.span || 300;
     const t1 = points.length ? points[points.length - 1].t : Date.now() / 1000;
-    const t0 = t1 - span;
+    return { g, state, span, t0: t1 - span };
+  }
+
+  // series: [{label, color, value: point => number|null}]
+  function line(canvas, points, opts) {
+    const view = begin(canvas, points, opts, line);
+    if (!view) return;
+    const { g, state, span, t0 } = view;
     const visible = points.filter((p) => p.t >= t0);
     let top = 0;
     for (const s of opts.series) for (const p of visible) { const v = s.value(p); if (v !== null && isFinite(v)) top = Math.max(top, v); }
@@ -132,15 +140,9 @@ const LPChart = (() => {
 
   // layers: [{label, color, value: point => number}] stacked bottom-up; max: point => number (the full height).
   function stacked(canvas, points, opts) {
-    const state = canvas._lp || (canvas._lp = {});
-    state.redraw = () => stacked(canvas, state.points, state.opts);
-    state.points = points; state.opts = opts;
-    attachHover(canvas, state);
-    const g = prepare(canvas);
-    if (!g.plotW || !g.plotH) return;
-    const span = opts.span || 300;
-    const t1 = points.length ? points[points.length - 1].t : Date.now() / 1000;
-    const t0 = t1 - span;
+    const view = begin(canvas, points, opts, stacked);
+    if (!view) return;
+    const { g, state, span, t0 } = view;
     const visible = points.filter((p) => p.t >= t0 && opts.max(p) > 0);
     const yMax = visible.length ? Math.max(...visible.map(opts.max)) : 1;
     frame(g, t0, span, yMax, opts.yFormat);
