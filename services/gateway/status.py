@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -201,12 +201,11 @@ def _adapter_rows(state: GatewayState) -> dict:
         for aid in status.resident_adapters:
             on_workers.setdefault(aid, []).append(wid)
     submitted = state.scheduler.submitted
-    active: dict[str, int] = {}
-    for aid in state.scheduler.adapter_of.values():
-        active[aid] = active.get(aid, 0) + 1
+    active = Counter(state.scheduler.adapter_of.values())
+    gpu = set(on_workers)
     tiers: dict[str, list[dict]] = {"gpu": [], "host": [], "disk": []}
     for card in state.ready_cards:
-        tier = "gpu" if card.id in on_workers else ("host" if card.host_resident else "disk")
+        tier = state.residency(card, gpu)
         tiers[tier].append({"id": card.id, "name": card.name, "tenant": card.tenant, "rank": card.rank,
                             "bytes": card.bytes, "workers": on_workers.get(card.id, []),
                             "requests": submitted.get(card.id, 0), "active": active.get(card.id, 0)})
