@@ -24,8 +24,8 @@ from starlette.routing import Route
 from bench.baselines.grouping import BatchLog, GroupingQueue, PendingRequest, QueueClosed
 from services.gateway.detokenize import IncrementalDetokenizer
 from services.gateway.errors import ApiError, bad_request, exception_handlers
-from services.gateway.generation import Usage
-from services.gateway.inference import STREAM_HEADERS, EventStream, ResponseShape, read_body
+from services.gateway.generation import CLIENT_GONE, ClientGone, Usage
+from services.gateway.inference import STREAM_HEADERS, EventStream, ResponseShape, read_body, watch_disconnect
 from services.gateway.sse import DONE, event
 from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.validation import (
@@ -107,7 +107,7 @@ async def completions(request: Request) -> Response:
     detok = IncrementalDetokenizer(svc.tokenizer.tokenizer) if svc.tokenizer is not None else None
     # The body has been read, so the request's next ASGI message is its disconnect: watching for it lets a
     # request whose client gave up (a load client's timeout) leave the queue instead of running later.
-    watcher = asyncio.create_task(_watch_disconnect(request, events))
+    watcher = asyncio.create_task(watch_disconnect(request, events))
     tokens = _Tokens(pending, events, detok, Usage(len(prompt)), watcher)
     if req.stream:
         return EventStream(_sse(shape, tokens, req.include_usage), headers=STREAM_HEADERS)
@@ -117,7 +117,7 @@ async def completions(request: Request) -> Response:
             texts.append(text)
     except _Failed as e:
         return ApiError(500, str(e), None, "generation_failed").response()
-    except _ClientGone:
+    except ClientGone:
         return Response(status_code=499)
     finally:
         tokens.close()
@@ -126,21 +126,6 @@ async def completions(request: Request) -> Response:
 
 class _Failed(Exception):
     pass
-
-
-class _ClientGone(Exception):
-    pass
-
-
-_GONE = object()  # put on a request's event queue when its client disconnects
-
-
-async def _watch_disconnect(request: Request, events: asyncio.Queue) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            events.put_nowait(_GONE)
-            return
 
 
 class _Tokens:
@@ -157,9 +142,9 @@ class _Tokens:
         if self.done:
             raise StopAsyncIteration
         item = await self.events.get()
-        if item is _GONE:
+        if item is CLIENT_GONE:
             self.close()
-            raise _ClientGone()
+            raise ClientGone()
         if isinstance(item, str):
             self.done = True
             raise _Failed(item)
@@ -194,7 +179,7 @@ async def _sse(shape: ResponseShape, tokens: _Tokens, include_usage: bool):
                                    "code": "generation_failed"}})
             yield DONE
             return
-        except _ClientGone:
+        except ClientGone:
             return
         if include_usage:
             yield event(shape.usage_chunk(tokens.usage.as_dict()))

@@ -109,7 +109,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         metrics.requests.labels(endpoint=endpoint, status="503").inc()
         return ApiError(503, str(e), None, "scheduler_unavailable", retry_after=1).response()
     state.inflight += 1
-    watcher = asyncio.create_task(_watch_disconnect(request, events))
+    watcher = asyncio.create_task(watch_disconnect(request, events))
     log = state.log.bind(request_id=rid, model=req.model, tenant=caller.tenant)
     pieces = gen.deltas()
     done = False
@@ -168,7 +168,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     return JSONResponse(shape.full("".join(texts), gen.finish_reason, gen.usage.as_dict()))
 
 
-async def _watch_disconnect(request: Request, events: asyncio.Queue) -> None:
+async def watch_disconnect(request: Request, events: asyncio.Queue) -> None:
     # The body has been read, so the next ASGI message for this request is its disconnect.
     while True:
         message = await request.receive()
