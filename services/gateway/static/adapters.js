@@ -11,12 +11,7 @@
 
   const $ = (id) => document.getElementById(id);
 
-  function banner(kind, text) {
-    const node = $("banner");
-    node.className = "banner " + kind;
-    node.textContent = text;
-    if (!text) node.classList.add("hidden");
-  }
+  const banner = LP.banner;
 
   async function load() {
     try {

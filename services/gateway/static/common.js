@@ -68,6 +68,14 @@ const LP = (() => {
     if (value !== undefined) node.dataset.value = value === null ? "" : String(value);
   }
 
+  // The page's message line: kind "error" or "ok" colours it; empty text hides it.
+  function banner(kind, text) {
+    const node = document.getElementById("banner");
+    node.className = "banner " + kind;
+    node.textContent = text;
+    if (!text) node.classList.add("hidden");
+  }
+
   const fmt = {
     int(n) { return n === null || n === undefined ? "–" : Math.round(n).toLocaleString("en-US"); },
     num(x, digits = 1) {
@@ -143,5 +151,5 @@ const LP = (() => {
 
   document.addEventListener("DOMContentLoaded", mountHeader);
 
-  return { ApiError, api, authHeaders, el, setText, fmt, key, setKey, keyProblem, errorOf };
+  return { ApiError, api, authHeaders, banner, el, setText, fmt, key, setKey, keyProblem, errorOf };
 })();

@@ -20,25 +20,19 @@
     clearTimeout(timer);
     try {
       const status = await LP.api("/v1/status?history=" + (points.length ? 5 : SPAN_S));
-      document.getElementById("banner").classList.add("hidden");
+      LP.banner("", "");
       merge(status.series);
       render(status);
     } catch (error) {
       if (LP.keyProblem(error)) {
-        showBanner("The status needs the admin key (" + error.message + ").");
+        LP.banner("error", "The status needs the admin key (" + error.message + ").");
         setReady("bad", "admin key needed");
         return;  // polling resumes when a key is entered
       }
-      showBanner("Cannot read /v1/status: " + error.message);
+      LP.banner("error", "Cannot read /v1/status: " + error.message);
       setReady("bad", "unreachable");
     }
     timer = setTimeout(poll, POLL_MS);
-  }
-
-  function showBanner(text) {
-    const banner = document.getElementById("banner");
-    banner.textContent = text;
-    banner.classList.remove("hidden");
   }
 
   function setReady(kind, text) {
