@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from bench.baselines.peft_model import (
     DTYPES, AdapterCache, GreedyRunner, build_base_model, index_adapters, load_hf_config,
 )
 from bench.baselines.peft_worker import BatchWorker
+from services.gateway.state import generation_eos
 from services.gateway.tokenizer import ModelTokenizer
 from shared.log import configure_logging, get_logger
 
@@ -87,14 +87,10 @@ def _ids(value) -> set[int]:
 
 
 def stop_token_ids(config, folder: Path | None) -> frozenset[int]:
-    """EOS ids of the config and of generation_config.json (which often lists more, e.g. Llama-3's eot)."""
+    """EOS ids of the config and, as the gateway reads them, of generation_config.json (which often lists
+    more, e.g. Llama-3's eot)."""
     ids = _ids(getattr(config, "eos_token_id", None))
-    if folder is not None and (folder / "generation_config.json").is_file():
-        try:
-            ids |= _ids(json.loads((folder / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id"))
-        except (ValueError, TypeError):
-            pass
-    return frozenset(ids)
+    return frozenset(ids | generation_eos(folder)) if folder is not None else frozenset(ids)
 
 
 def _gpu_memory(device: str):

@@ -35,7 +35,7 @@ class GatewayState:
         if config.max_model_len > model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {model_len} positions")
         self.max_model_len = config.max_model_len or model_len
-        self.stop_token_ids = sorted(set(self.model.eos_token_ids) | _generation_eos(folder))
+        self.stop_token_ids = sorted(set(self.model.eos_token_ids) | generation_eos(folder))
         self.keys = ApiKeys.from_file(config.api_keys_file)
         self.ctx = zmq.asyncio.Context()
         self.scheduler = SchedulerClient(config.scheduler_addr, self.ctx, config.ping_interval_s, config.peer_timeout_s)
@@ -134,7 +134,7 @@ class GatewayState:
             self.tiers_at = time.monotonic()
 
 
-def _generation_eos(folder: Path) -> set[int]:
+def generation_eos(folder: Path) -> set[int]:
     """Extra end-of-turn ids some chat models list only in generation_config.json."""
     path = folder / "generation_config.json"
     if not path.is_file():
