@@ -42,6 +42,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from bench import child_env
 from bench.workload import TraceRequest
 
 ERROR_TEXT_MAX = 300  # characters of a server's error message kept in a record
@@ -391,7 +392,7 @@ async def _run_sharded(base_url: str, shards: list[list[tuple[RequestRecord, str
         for k, shard in enumerate(shards):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "bench.client", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                limit=1 << 24, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH")]))})
+                limit=1 << 24, env=child_env())
             job = {"base_url": base_url, "api_key": api_key, "timeout_s": timeout_s, "seed": seed,
                    "vocab_size": vocab_size, "requests": [[r.index, r.adapter, r.prompt_len, r.output_len, r.arrival_s, m]
                                                           for r, m in shard]}
@@ -435,10 +436,6 @@ async def _collect(proc, shard: list[tuple[RequestRecord, str]], counts: _Counts
             rec.error = rec.error or f"client process exited with code {code} before reporting this request"
     counts.done = len(by_index)
     counts.failed = sum(1 for rec in by_index.values() if rec.error is not None)
-
-
-def _root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 async def _shard_main() -> None:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import yaml
 
+from bench import child_env
 from bench.settings import Setting, get_setting
 from bench.stack import NO_UNIFY_ADAPTERS, Stack, StackConfig, check_policy, check_system
 
@@ -205,9 +206,8 @@ def measure_ceilings_apart(device: str) -> dict:
     code = ("import json, sys, torch; from bench.roofline import measure_ceilings\n"
             "d = sys.argv[1] or ('cuda' if torch.cuda.is_available() else 'cpu')\n"
             "print(json.dumps(measure_ceilings(d).as_dict()))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True, env=child_env(),
+                         timeout=300)
     if out.returncode != 0:
         raise RuntimeError(f"measuring the ceilings failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import REPO, child_env
 from bench.adapters import DEFAULT_CONCURRENCY, Population, Registration, register
 from bench.settings import Setting
 from shared.probes import alive, descendants, free_port
 
-REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ("loraplex", "base-only", "peft", "merge", "bmm", "no-unify")
 LORA_MODES = {"bmm": "bmm", "merge": "merge"}
 # Admission policies of the cv sweep: S-LoRA's early abort with its FCFS/LCFS switch (the server's
@@ -205,8 +205,7 @@ class Stack:
     def start(self, registration_deadline: float | None = None) -> "Stack":
         c = self.config
         argv = self.command()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **c.env}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        env = child_env(PYTHONUNBUFFERED="1", **c.env)
         started = time.monotonic()
         self.log_file = open(self.log_path, "ab")
         self.log_file.write(("$ " + " ".join(argv) + "\n").encode())

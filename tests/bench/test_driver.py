@@ -2,7 +2,6 @@
 JSON line per point, resumable without running a point twice. The two-piece sweep runs the real command
 (`loraplex bench sweep`) against real tiny stacks on the CPU."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench import REPO, child_env
 from bench.driver import Driver, SweepSpec, expand, groups, point_key
 
-REPO = Path(__file__).resolve().parents[2]
 
 TWO_POINTS = {
     "name": "tiny-two", "setting": "tiny", "systems": ["loraplex"], "n": [2, 3], "rates": [3],
@@ -24,8 +23,7 @@ TWO_POINTS = {
 
 
 def sweep(spec_path: Path, work: Path, out: Path, budget: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = child_env(OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "shared.cli", "bench", "sweep", str(spec_path), "--budget-s",
                            str(budget), "--work-dir", str(work), "--out-dir", str(out), "--quiet"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -127,8 +125,7 @@ def test_a_piece_stopped_by_sigterm_stops_its_stack(tmp_path):
 
     spec_path = tmp_path / "tiny-two.yaml"
     spec_path.write_text(yaml.safe_dump({**TWO_POINTS, "n": [2], "duration_s": 60}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = child_env(OMP_NUM_THREADS="1")
     driver = subprocess.Popen([sys.executable, "-m", "shared.cli", "bench", "sweep", str(spec_path), "--work-dir",
                                str(tmp_path / "work"), "--out-dir", str(tmp_path / "out"), "--quiet"],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
