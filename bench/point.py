@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import datetime
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -44,21 +45,31 @@ class PointSpec:
                           self.prompt_range, self.output_range)
 
 
-def gpu_name() -> str:
-    """The device the bench host measures on: torch.cuda's name of GPU 0, else "cpu"."""
+def _first_gpu(query: str) -> str | None:
+    """`nvidia-smi --query-gpu=QUERY` of the first GPU the stacks see (None without one). Asked of nvidia-smi,
+    not torch.cuda: a CUDA context in the driver would hold GPU memory that every later stack sizes its
+    pool without (the ceilings are measured in a child process for the same reason)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    smi = shutil.which("nvidia-smi")
+    if smi is None or visible == "":
+        return None
+    index = (visible or "0").split(",")[0].strip()
     try:
-        import torch
+        res = subprocess.run([smi, "-i", index, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True)
+        return res.stdout.strip().splitlines()[0] or None
+    except (OSError, subprocess.SubprocessError, IndexError):  # a broken driver must not lose a finished run
+        return None
 
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except Exception:  # a broken CUDA install must not lose a finished run's results
-        pass
-    return "cpu"
+
+def gpu_name() -> str:
+    """The device the bench host measures on: the name of its first visible GPU, else "cpu"."""
+    return _first_gpu("name") or "cpu"
 
 
 def versions() -> dict:
     """torch, triton and NVIDIA driver versions of the bench host (None where absent)."""
-    out: dict = {"torch_version": None, "triton_version": None, "driver_version": None}
+    out: dict = {"torch_version": None, "triton_version": None, "driver_version": _first_gpu("driver_version")}
     try:
         import torch
 
@@ -71,13 +82,6 @@ def versions() -> dict:
         out["triton_version"] = triton.__version__
     except ImportError:
         pass
-    if smi := shutil.which("nvidia-smi"):
-        try:
-            res = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=10, check=True)
-            out["driver_version"] = res.stdout.strip().splitlines()[0] or None
-        except (OSError, subprocess.SubprocessError, IndexError):
-            pass
     return out
 
 
