@@ -156,15 +156,13 @@ def cmd_run(args, argv) -> int:
 
 def _run_against(driver, url: str) -> int:
     """One point against a server someone else started: adapter i is `adapter-0000i`, None the base."""
-    import httpx
-
     from bench.adapters import adapter_name
     from bench.driver import append_line, expand, measure_ceilings_apart, point_key, pool_total_slots, summary
     from bench.point import run_point
+    from bench.stack import base_model
 
     p = expand(driver.spec)[0]
-    models = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
-    base = next((m["id"] for m in models if not m.get("parent")), driver.setting.model)
+    base = base_model(url, driver.setting.model)
 
     def model_for(r):
         return base if r.adapter is None or p.system == "base-only" else adapter_name(r.adapter)

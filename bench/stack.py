@@ -116,6 +116,15 @@ class StackConfig:
         return f"{self.setting.name}/{self.system}/n={self.n_adapters}/{self.policy}"
 
 
+def base_model(url: str, default: str) -> str:
+    """The base model's name as the server at `url` lists it (the model folder's name for loraplex); `default`
+    when it lists none."""
+    import httpx
+
+    models = httpx.get(url.rstrip("/") + "/v1/models", timeout=30.0).json()["data"]
+    return next((m["id"] for m in models if not m.get("parent")), default)
+
+
 class Stack:
     """`with Stack(config) as stack:` a ready server at `stack.url`, its adapters registered; stopped on exit."""
 
@@ -216,7 +225,7 @@ class Stack:
                                      start_new_session=True, preexec_fn=_die_with(os.getpid()))
         try:
             self._wait_ready(started)
-            self.base_model = self._base_model()
+            self.base_model = base_model(self.url, self.config.setting.model)
             self.startup_s = time.monotonic() - started
             if c.system not in ("peft", "base-only") and self.names:
                 self.registration = register(self.url, c.population.root, self.names,
@@ -255,14 +264,6 @@ class Stack:
                 next_note = now + 10.0
                 sys.stderr.write(f"  {self.config.label}: waiting for {path} ({now - started:.0f} s)\n")
             time.sleep(0.25)
-
-    def _base_model(self) -> str:
-        """The base model's name as the server lists it (the model folder's name for loraplex)."""
-        import httpx
-
-        models = httpx.get(self.url + "/v1/models", timeout=30.0).json()["data"]
-        base = [m["id"] for m in models if not m.get("parent")]
-        return base[0] if base else self.config.setting.model
 
     def log_tail(self, chars: int = 4000) -> str:
         self.log_file.flush()
