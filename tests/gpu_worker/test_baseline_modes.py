@@ -24,6 +24,7 @@ from shared.lora_weights import LoraModuleWeights, LoraWeights
 from shared.make_adapters import make_adapters
 from shared.model_config import MODULE_INDEX, MODULES, ModelConfig
 from shared.tiny_model import make_model
+from tests.tp.workload import run as run_workload
 
 MAX_TOKENS = 6
 ADAPTERS = [  # (name, rank, target modules)
@@ -59,8 +60,6 @@ def setup(tmp_path_factory):
 def run_engine(base, weights, workload, on_forward=None, backend: str = "auto", **config):
     engine = Engine.from_model_dir(base, EngineConfig(**{"max_lora_rank": 16, "max_resident_adapters": 4, **config}),
                                    backend=backend)
-    for name, w in weights.items():
-        engine.register_adapter(name, w)
     if on_forward is not None:
         forward = engine.model.forward
 
@@ -69,20 +68,9 @@ def run_engine(base, weights, workload, on_forward=None, backend: str = "auto", 
             return forward(batch, pool)
 
         engine.model.forward = watched
-    tokens: dict[str, list[int]] = {}
-    logits: dict[str, list[torch.Tensor]] = {}
-    for step in range(2000):
-        for rid, prompt, adapter, join in workload:
-            if join == step:
-                engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-                                                 adapter, return_logits=True))
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            logits.setdefault(out.request_id, []).extend(out.logits or [])
-        if step > max(w[3] for w in workload) and not engine.has_unfinished():
-            return engine, tokens, logits
-    raise AssertionError("engine did not finish")
+    tokens, logits = run_workload(engine, weights, workload, MAX_TOKENS)
+    assert not engine.has_unfinished(), "engine did not finish"
+    return engine, tokens, logits
 
 
 def assert_same_outputs(expected, tokens, logits, tol: float = 1e-4):

@@ -6,15 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from services.gpu_worker.engine import Engine
-from services.gpu_worker.requests import EngineRequest
-from services.gpu_worker.sampling import SamplingParams
 from shared.adapter_format import load_adapter
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from shared.tiny_model import make_model
+from tests.tp.workload import run as run_workload
 
 from .oracle import HFOracle, make_peft_adapter
 
@@ -53,23 +51,8 @@ def setup(request, tmp_path_factory):
 
 def run_engine(base, weights, workload, **config) -> tuple[Engine, dict, dict]:
     engine = Engine.from_model_dir(base, EngineConfig(max_lora_rank=64, max_resident_adapters=8, **config))
-    for name, w in weights.items():
-        engine.register_adapter(name, w)
-    tokens: dict[str, list[int]] = {}
-    logits: dict[str, list[torch.Tensor]] = {}
-    step = 0
-    while step < 1000:
-        for rid, prompt, adapter, join in workload:
-            if join == step:
-                engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
-                                                 adapter, return_logits=True))
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            logits.setdefault(out.request_id, []).extend(out.logits or [])
-        step += 1
-        if step > max(w[3] for w in workload) and not engine.has_unfinished():
-            break
+    tokens, logits = run_workload(engine, weights, workload, MAX_TOKENS)
+    assert not engine.has_unfinished(), "engine did not finish"
     return engine, tokens, logits
 
 
