@@ -6,6 +6,8 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -190,6 +192,16 @@ def join_all(threads: list[threading.Thread], timeout_s: float) -> None:
     assert not any(t.is_alive() for t in threads), f"requests still open {timeout_s}s later: a request hung"
 
 
+@contextmanager
+def running(stack: Stack) -> Iterator[Stack]:
+    """The stack started, then stopped, and whatever it left killed, however the test ends."""
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+        stack.kill_everything()
+
+
 def make_stack(tmp_path_factory, name: str, *args: str) -> Stack:
     root = tmp_path_factory.mktemp(name)
     return Stack(root / "data", *args)
@@ -198,17 +210,8 @@ def make_stack(tmp_path_factory, name: str, *args: str) -> Stack:
 @pytest.fixture
 def stack_factory(tmp_path_factory):
     """Start stacks that the test may damage; every one is stopped (or killed) afterwards."""
-    stacks: list[Stack] = []
-
-    def start(name: str, *args: str) -> Stack:
-        s = make_stack(tmp_path_factory, name, *args)
-        stacks.append(s)
-        return s.start()
-
-    yield start
-    for s in stacks:
-        s.stop()
-        s.kill_everything()
+    with ExitStack() as started:
+        yield lambda name, *args: started.enter_context(running(make_stack(tmp_path_factory, name, *args)))
 
 
 GENERAL_MAX_RUNNING = 8
@@ -224,13 +227,10 @@ def general_allowed_root(tmp_path_factory):
 def general_stack(tmp_path_factory, general_allowed_root):
     """One stack for the tests that leave it serving (cancel storms, hostile input, fuzzing): demo adapters,
     a 2 MB upload cap and path registration under general_allowed_root."""
-    s = make_stack(tmp_path_factory, "reliability-general", "--demo-adapters", "2",
-                   "--allowed-root", str(general_allowed_root),
-                   "--set", f"worker.max_running_requests={GENERAL_MAX_RUNNING}",
-                   "--set", f"gateway.max_upload_bytes={GENERAL_UPLOAD_CAP}",
-                   "--set", f"store.max_upload_bytes={GENERAL_UPLOAD_CAP}", "--set", "scheduler.first_token_slo_s=0")
-    try:
-        yield s.start()
-    finally:
-        s.stop()
-        s.kill_everything()
+    with running(make_stack(tmp_path_factory, "reliability-general", "--demo-adapters", "2",
+                            "--allowed-root", str(general_allowed_root),
+                            "--set", f"worker.max_running_requests={GENERAL_MAX_RUNNING}",
+                            "--set", f"gateway.max_upload_bytes={GENERAL_UPLOAD_CAP}",
+                            "--set", f"store.max_upload_bytes={GENERAL_UPLOAD_CAP}",
+                            "--set", "scheduler.first_token_slo_s=0")) as s:
+        yield s

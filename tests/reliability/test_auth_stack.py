@@ -17,6 +17,7 @@ from tests.reliability.conftest import (
     idle_without_leaks,
     join_all,
     plain_request,
+    running,
     start_threads,
     stream_request,
     wait_for,
@@ -39,14 +40,11 @@ def secured(tmp_path_factory):
     root = tmp_path_factory.mktemp("auth-stack")
     keys = root / "keys.json"
     keys.write_text(json.dumps({"admin_keys": [ADMIN], "tenants": {"acme": [ACME], "globex": [GLOBEX]}}))
-    s = Stack(root / "data", "--demo-adapters", "1", "--api-keys-file", str(keys),
-              "--set", f"scheduler.max_queue_per_tenant={PER_TENANT}", "--set", f"worker.max_running_requests={MAX_RUNNING}",
-              "--set", "scheduler.first_token_slo_s=0")
-    try:
-        yield s.start()
-    finally:
-        s.stop()
-        s.kill_everything()
+    with running(Stack(root / "data", "--demo-adapters", "1", "--api-keys-file", str(keys),
+                       "--set", f"scheduler.max_queue_per_tenant={PER_TENANT}",
+                       "--set", f"worker.max_running_requests={MAX_RUNNING}",
+                       "--set", "scheduler.first_token_slo_s=0")) as s:
+        yield s
 
 
 def test_a_tenant_over_its_queue_bound_is_refused_alone(secured):

@@ -17,12 +17,13 @@ import pytest
 from shared.probes import alive, metric
 from tests.reliability.conftest import (
     Outcome,
-    Stack,
     body,
     idle_without_leaks,
     join_all,
+    make_stack,
     plain_request,
     ready,
+    running,
     start_threads,
     stream_request,
     wait_for,
@@ -34,13 +35,10 @@ PEER_TIMEOUT_S = 3.0  # the gateway's default: a scheduler silent this long has 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("control-plane") / "data", "--demo-adapters", "3",
-              "--set", f"worker.max_running_requests={MAX_RUNNING}", "--set", "scheduler.first_token_slo_s=0")
-    try:
-        yield s.start()
-    finally:
-        s.stop()
-        s.kill_everything()
+    with running(make_stack(tmp_path_factory, "control-plane", "--demo-adapters", "3",
+                            "--set", f"worker.max_running_requests={MAX_RUNNING}",
+                            "--set", "scheduler.first_token_slo_s=0")) as s:
+        yield s
 
 
 def registrations(stack) -> dict[str, tuple]:

@@ -18,12 +18,13 @@ import pytest
 from shared.probes import alive, metric
 from tests.reliability.conftest import (
     Outcome,
-    Stack,
     body,
     idle_without_leaks,
     join_all,
+    make_stack,
     plain_request,
     ready,
+    running,
     start_threads,
     stream_request,
     wait_for,
@@ -38,14 +39,11 @@ QUEUED = 1  # waiting in the scheduler (the worker is full)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("worker-faults") / "data", "--demo-adapters", "1",
-              "--heartbeat-timeout-s", f"{HEARTBEAT_TIMEOUT_S:g}",
-              "--set", f"worker.max_running_requests={MAX_RUNNING}", "--set", "scheduler.first_token_slo_s=0")
-    try:
-        yield s.start()
-    finally:
-        s.stop()
-        s.kill_everything()
+    with running(make_stack(tmp_path_factory, "worker-faults", "--demo-adapters", "1",
+                            "--heartbeat-timeout-s", f"{HEARTBEAT_TIMEOUT_S:g}",
+                            "--set", f"worker.max_running_requests={MAX_RUNNING}",
+                            "--set", "scheduler.first_token_slo_s=0")) as s:
+        yield s
 
 
 class ReadyWatch:
