@@ -79,10 +79,6 @@ class ContentTable:
             while len(self._checked) > MAX_REMEMBERED:
                 self._checked.popitem(last=False)
 
-    def known(self, sha256: str) -> ContentFacts | None:
-        with self._lock:
-            return self._checked.get(sha256)
-
     def checked(self, sha256: str, check: Callable[[], ContentFacts]) -> ContentFacts:
         """The facts of a content that passed its checks, running `check` unless this content passed
         before or is being checked now (then its outcome is waited for). A refusal raised by `check` is
