@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.probes import descendants, free_port, metric, rss_mb
+from shared.probes import free_port, metric, rss_mb, service_pids
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_MODEL = "model"
@@ -99,21 +99,7 @@ class Stack:
             time.sleep(0.2)
 
     def services(self) -> dict[str, int]:
-        out = {}
-        for pid in descendants(self.proc.pid):
-            try:
-                args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-            except OSError:
-                continue
-            if "-m" in args:
-                module = args[args.index("-m") + 1]
-                if module == "services.gpu_worker":
-                    out[args[args.index("--worker-id") + 1]] = pid
-                elif module.startswith("services."):
-                    out[module.removeprefix("services.")] = pid
-            elif args and "redis-server" in args[0]:
-                out["redis"] = pid
-        return out
+        return service_pids(self.proc.pid)
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:

@@ -55,6 +55,27 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def service_pids(launcher_pid: int) -> dict[str, int]:
+    """A running stack's processes by service (`gateway`, `scheduler`, `adapter_store`, `redis`, and each
+    worker by its id), found among the launcher's descendants by their command lines."""
+    out = {}
+    for pid in descendants(launcher_pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [c.decode(errors="replace") for c in cmd if c]
+        if "-m" in args:
+            module = args[args.index("-m") + 1]
+            if module == "services.gpu_worker":
+                out[args[args.index("--worker-id") + 1]] = pid
+            elif module.startswith("services."):
+                out[module.removeprefix("services.")] = pid
+        elif args and "redis-server" in args[0]:
+            out["redis"] = pid
+    return out
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie waiting to be reaped counts as gone)."""
     fields = _stat_fields(pid)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.probes import alive, descendants, free_port
+from shared.probes import alive, descendants, free_port, service_pids
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
@@ -72,23 +72,7 @@ class Stack:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 60.0), **kw)
 
     def service_pids(self) -> dict[str, int]:
-        """Direct children of the launcher by service, from their command lines."""
-        out = {}
-        for pid in descendants(self.proc.pid):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            args = [c.decode(errors="replace") for c in cmd if c]
-            if "-m" in args:
-                module = args[args.index("-m") + 1]
-                if module == "services.gpu_worker":
-                    out[args[args.index("--worker-id") + 1]] = pid
-                elif module.startswith("services."):
-                    out[module.removeprefix("services.")] = pid
-            elif args and "redis-server" in args[0]:
-                out["redis"] = pid
-        return out
+        return service_pids(self.proc.pid)
 
     def metrics(self) -> str:
         with self.client() as c:
