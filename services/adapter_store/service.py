@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 from concurrent.futures import CancelledError
+from pathlib import Path
 from typing import Callable
 
 import torch

@@ -34,7 +34,7 @@ from .config import StoreConfig
 from .contents import ContentFacts, ContentTable, check_fingerprint
 from .errors import StoreRefusal, bad_request, not_found
 from .offload import Offloaded
-from .registry import Registry, RegisterResult
+from .registry import RegisterResult, Registry
 from .validation import (
     CheckedAdapter, canonical_config, check_content, check_name, check_tenant, check_upload_size, read_adapter_dir,
     resolve_under_root,

@@ -1,7 +1,6 @@
 """Input checks in isolation: names, server paths, content, canonical config."""
 from __future__ import annotations
 
-
 import pytest
 
 from services.adapter_store.errors import StoreRefusal
