@@ -11,7 +11,6 @@ import concurrent.futures
 import contextlib
 import copy
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,12 +21,12 @@ import httpx
 import pytest
 import torch
 
+from bench import REPO, child_env
 from bench.baselines.grouping import GroupingQueue, PendingRequest
 from bench.baselines.peft_model import build_base_model, index_adapters
 from services.gateway.detokenize import IncrementalDetokenizer
 from shared.probes import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 BASE = "model"  # the tiny checkpoint's folder name, the base model's default served name
 A0, A1, A2 = "adapter-000", "adapter-001", "adapter-002"
 MAX_BATCH = 4
@@ -41,8 +40,7 @@ class PeftServer:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "bench.baselines.peft_server", "--port", str(self.port), "--device", "cpu",
                "--dtype", "float32", *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = child_env(OMP_NUM_THREADS="1")
         self.log_file = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
