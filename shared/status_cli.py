@@ -56,11 +56,11 @@ def fmt_bytes(n) -> str:
     if n is None:
         return "-"
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{value:.1f} TiB"
+    return f"{value:.1f} GiB"
 
 
 def pool_bar(slots: dict, style: Style) -> str:
