@@ -67,6 +67,7 @@ class RequestRecord:
     output_tokens: int = 0
     error: str | None = None  # None = completed; else "HTTP 429: queue is full", "timeout ...", ...
     status: int | None = None  # HTTP status of the answer; None when none came (transport error, timeout)
+    model: str = ""  # the `model` it was sent to (an adapter's name or the base model's)
 
     @property
     def completed(self) -> bool:
@@ -356,7 +357,8 @@ async def run_trace(base_url: str, trace: Sequence[TraceRequest], model_for: Cal
     if processes is not None and processes < 1:
         raise ValueError(f"processes must be >= 1 (or None for automatic), got {processes}")
     models = [model_for(r) for r in trace]  # a bad mapping fails here, before any load is sent
-    records = [RequestRecord(r.index, r.adapter, r.prompt_len, r.output_len, r.arrival_s) for r in trace]
+    records = [RequestRecord(r.index, r.adapter, r.prompt_len, r.output_len, r.arrival_s, model=m)
+               for r, m in zip(trace, models)]
     jobs = list(zip(records, models))
     n_proc = min(processes or auto_processes(trace), max(1, len(trace)))
     bar = _Progress(len(trace), progress)
@@ -442,7 +444,7 @@ async def _shard_main() -> None:
     reader = asyncio.StreamReader(limit=1 << 28)
     await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     job = json.loads(await reader.readline())
-    jobs = [(RequestRecord(i, a, p, o, t), m) for i, a, p, o, t, m in job["requests"]]
+    jobs = [(RequestRecord(i, a, p, o, t, model=m), m) for i, a, p, o, t, m in job["requests"]]
     out = sys.stdout
     counts = _Counts()
     reporter = None

@@ -45,6 +45,8 @@ from bench.stack import NO_UNIFY_ADAPTERS, Stack, StackConfig, check_policy, che
 
 MORE_PIECES = 3
 DEFAULT_BUDGET_S = 540.0
+# The sweep fields a system may set for itself (SweepSpec.by_system).
+BY_SYSTEM = ("n", "request_timeout_s", "point_tail_s")
 ADAPTER_SYSTEMS = ("loraplex", "merge", "bmm", "no-unify", "peft")  # systems that serve the population
 
 
@@ -60,6 +62,9 @@ class SweepSpec:
     cvs: list[float] = field(default_factory=lambda: [1.0])
     alphas: list[float] = field(default_factory=lambda: [1.0])
     policies: list[str] = field(default_factory=lambda: ["early-abort"])
+    # A system's own values where they differ from the sweep's (BY_SYSTEM), e.g. base-only and peft at one
+    # n only, and peft's requests given up sooner (it serves ~1 req/s, so at the sweep's rate most wait).
+    by_system: dict = field(default_factory=dict)
     duration_s: float = 120.0
     warmup_s: float = 20.0
     seed: int = 0
@@ -90,12 +95,26 @@ class SweepSpec:
         get_setting(self.setting)
         for system in self.systems:
             check_system(system)
+        if not isinstance(self.by_system, dict):
+            raise ValueError(f"sweep {self.name!r}: by_system maps a system to {{n: [...], request_timeout_s: T}}")
+        for system, own in self.by_system.items():
+            if system not in self.systems:
+                raise ValueError(f"sweep {self.name!r}: by_system names {system!r}, which is not in systems")
+            unknown = sorted(set(own) - set(BY_SYSTEM)) if isinstance(own, dict) else ["(not a mapping)"]
+            if unknown:
+                raise ValueError(f"sweep {self.name!r}: by_system.{system}: unknown field(s) {', '.join(unknown)}; "
+                                 f"known: {', '.join(BY_SYSTEM)}")
+            if "n" in own and not isinstance(own["n"], list):
+                own["n"] = [own["n"]]
+            if "request_timeout_s" in own and not own["request_timeout_s"] > 0:
+                raise ValueError(f"sweep {self.name!r}: by_system.{system}.request_timeout_s must be > 0")
         for policy in self.policies:
             check_policy(policy)
         if not self.systems or not self.n or not self.rates:
             raise ValueError(f"sweep {self.name!r}: systems, n and rates must each name at least one value")
-        if any(int(n) != n or n < 0 for n in self.n):
-            raise ValueError(f"sweep {self.name!r}: n must be integers >= 0, got {self.n}")
+        for ns in [self.n, *(own["n"] for own in self.by_system.values() if "n" in own)]:
+            if not ns or any(int(n) != n or n < 0 for n in ns):
+                raise ValueError(f"sweep {self.name!r}: n must be integers >= 0, got {ns}")
         if any(r <= 0 for r in self.rates) or any(c <= 0 for c in self.cvs):
             raise ValueError(f"sweep {self.name!r}: rates and cvs must be > 0")
         if not 0 <= self.warmup_s < self.duration_s:
@@ -121,6 +140,10 @@ class SweepSpec:
         path = Path(path)
         return cls.from_dict(yaml.safe_load(path.read_text()) or {}, default_name=path.stem)
 
+    def own(self, system: str, name: str):
+        """`name`'s value for `system`'s points: its by_system value, else the sweep's."""
+        return self.by_system.get(system, {}).get(name, getattr(self, name))
+
     @property
     def setting_obj(self) -> Setting:
         return get_setting(self.setting)
@@ -133,24 +156,34 @@ def point_key(p) -> str:
 
 
 def expand(spec: SweepSpec) -> list:
-    """Every point of the sweep, grouped stack by stack (systems, then n, then policy in the spec's order)."""
+    """Every point of the sweep, n by n in the spec's order (so the first n's comparisons between systems run
+    first), then systems, policies, alphas, rates and cvs."""
     from bench.point import PointSpec
 
     points = []
-    for system, n, policy, alpha, rate, cv in itertools.product(spec.systems, spec.n, spec.policies, spec.alphas,
-                                                                spec.rates, spec.cvs):
-        points.append(PointSpec(setting=spec.setting, system=system, n_adapters=int(n), alpha=float(alpha),
-                                req_rate=float(rate), cv=float(cv), policy=policy, duration_s=float(spec.duration_s),
-                                warmup_s=float(spec.warmup_s), seed=int(spec.seed),
-                                prompt_range=tuple(spec.prompt_range), output_range=tuple(spec.output_range)))
+    for n in dict.fromkeys(int(n) for s in spec.systems for n in spec.own(s, "n")):
+        systems = [s for s in spec.systems if n in [int(x) for x in spec.own(s, "n")]]
+        for system, policy, alpha, rate, cv in itertools.product(systems, spec.policies, spec.alphas, spec.rates,
+                                                                 spec.cvs):
+            points.append(PointSpec(setting=spec.setting, system=system, n_adapters=n, alpha=float(alpha),
+                                    req_rate=float(rate), cv=float(cv), policy=policy,
+                                    duration_s=float(spec.duration_s), warmup_s=float(spec.warmup_s),
+                                    seed=int(spec.seed), prompt_range=tuple(spec.prompt_range),
+                                    output_range=tuple(spec.output_range)))
     return points
+
+
+def stack_system(system: str) -> str:
+    """The system whose stack serves `system`'s points: base-only is the loraplex stack with every request
+    sent to the base model, so it shares that stack (and its comparison with LoRA runs on the same server)."""
+    return "loraplex" if system == "base-only" else system
 
 
 def stack_key(p) -> tuple:
     """Points with equal keys run on one stack. A loraplex-family stack registers the largest n of its points
     and serves each point's first n adapters (an adapter registered but never asked for costs nothing while
-    serving); base-only needs no adapters; the PEFT server holds exactly n adapters, so n is part of its key."""
-    return (p.setting, p.system, p.n_adapters if p.system == "peft" else None, p.policy)
+    serving); the PEFT server holds exactly n adapters, so n is part of its key."""
+    return (p.setting, stack_system(p.system), p.n_adapters if p.system == "peft" else None, p.policy)
 
 
 def groups(points: list) -> list[tuple[tuple, list]]:
@@ -255,7 +288,8 @@ class Driver:
         return f"{self.spec.setting}/{system}"
 
     def point_estimate(self, p) -> float:
-        return p.duration_s + self.timings.get("point_tail", self.timing_key(p.system), self.spec.point_tail_s)
+        return p.duration_s + self.timings.get("point_tail", self.timing_key(p.system),
+                                               self.spec.own(p.system, "point_tail_s"))
 
     def startup_estimate(self, system: str) -> float:
         warmup = self.spec.stack_warmup_s + self.spec.point_tail_s if self.spec.stack_warmup_s else 0.0
@@ -302,7 +336,7 @@ class Driver:
             note(f"ceilings on {ceilings['name']}: copy {ceilings['hbm_gbs']:.0f} GB/s, matmul "
                  f"{ceilings['matmul_tflops']:.1f} TFLOP/s, host-to-device {ceilings['h2d_gbs']:.1f} GB/s")
         for (_, system, _, policy), group in planned:
-            n = max(p.n_adapters for p in group) if system != "base-only" else 0
+            n = max((p.n_adapters for p in group if p.system != "base-only"), default=0)
             population = None
             if system in ADAPTER_SYSTEMS and n > 0:
                 population = self.population(n)
@@ -379,16 +413,16 @@ class Driver:
 
         spec = dataclasses.replace(first, duration_s=self.spec.stack_warmup_s, warmup_s=0.0, seed=first.seed + 1)
         note(f"  warm-up: {spec.duration_s:g} s of traffic at {spec.req_rate:g} req/s, not measured")
-        run_point(stack.url, spec, stack.model_for, self.setting.vocab_size, command=self.command,
-                  request_timeout_s=self.spec.request_timeout_s, progress=self.progress)
+        run_point(stack.url, spec, point_model_for(stack, first), self.setting.vocab_size, command=self.command,
+                  request_timeout_s=self.spec.own(first.system, "request_timeout_s"), progress=self.progress)
 
     def run_one(self, stack: Stack, p, ceilings: dict | None, pool_slots: int, info: dict, population) -> dict:
         from bench.point import run_point
 
         t0 = time.monotonic()
         records = self.work_dir / "records" / self.spec.name / (point_key(p).replace("/", "_") + ".jsonl")
-        line = run_point(stack.url, p, stack.model_for, self.setting.vocab_size, command=self.command,
-                         request_timeout_s=self.spec.request_timeout_s, progress=self.progress,
+        line = run_point(stack.url, p, point_model_for(stack, p), self.setting.vocab_size, command=self.command,
+                         request_timeout_s=self.spec.own(p.system, "request_timeout_s"), progress=self.progress,
                          records_path=records)
         wall = time.monotonic() - t0
         self.timings.note("point_tail", self.timing_key(p.system), max(0.0, wall - p.duration_s))
@@ -413,6 +447,13 @@ class Driver:
         throughput = line.get("throughput_rps")
         return {"roofline_rps": rps, "roofline_batch": batch, "ceilings": ceilings,
                 "roofline_fraction": throughput / rps if throughput is not None else None}
+
+
+def point_model_for(stack: Stack, p):
+    """The `model` of each of point `p`'s requests on `stack` (base-only points send all to the base model)."""
+    if p.system == "base-only":
+        return lambda request: stack.base_model
+    return stack.model_for
 
 
 def pool_total_slots(url: str) -> int:

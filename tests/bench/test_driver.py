@@ -14,7 +14,8 @@ from bench.driver import Driver, SweepSpec, expand, groups, point_key
 
 
 TWO_POINTS = {
-    "name": "tiny-two", "setting": "tiny", "systems": ["loraplex"], "n": [2, 3], "rates": [3],
+    "name": "tiny-two", "setting": "tiny", "systems": ["loraplex", "base-only"], "n": [2, 3],
+    "by_system": {"base-only": {"n": [3]}}, "rates": [3],
     "duration_s": 3, "warmup_s": 0.5, "prompt_range": [4, 12], "output_range": [2, 6], "device": "cpu",
     # Estimates that fit one point in a 100 s piece and not two: 1 s start + 41 s warm-up traffic (1 s of it,
     # its tail estimated at 40) + 1 s stop, then 43 s per point.
@@ -51,15 +52,21 @@ def test_two_point_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_pa
     second = sweep(spec_path, work, out, budget=200)
     assert second.returncode == 0, second.stdout + second.stderr
     lines = results(out)
-    assert [x["n_adapters"] for x in lines] == [2, 3]
-    assert len({x["key"] for x in lines}) == 2
+    assert [(x["system"], x["n_adapters"]) for x in lines] == [("loraplex", 2), ("loraplex", 3), ("base-only", 3)]
+    assert len({x["key"] for x in lines}) == 3
+    # base-only ran on the second piece's loraplex stack, every request on the base model.
+    assert len(list((work / "logs").iterdir())) == 2
+    assert lines[2]["stack_command"] == lines[1]["stack_command"]
+    base_records = (work / "records" / "tiny-two").glob("*base-only*")
+    models = {json.loads(t)["model"] for f in base_records for t in f.read_text().splitlines() if t.strip()}
+    assert models == {"tiny-llama"}, models
 
     third = sweep(spec_path, work, out, budget=200)
     assert third.returncode == 0 and "0 points measured" in third.stdout
-    assert len(results(out)) == 2 and len(list((work / "logs").iterdir())) == 2  # no stack started
+    assert len(results(out)) == 3 and len(list((work / "logs").iterdir())) == 2  # no stack started
 
     for x in lines:
-        assert x["setting"] == "tiny" and x["system"] == "loraplex" and x["policy"] == "early-abort"
+        assert x["setting"] == "tiny" and x["policy"] == "early-abort"
         assert x["n_completed"] > 0 and x["throughput_rps"] > 0
         assert 0 < x["roofline_fraction"] == pytest.approx(x["throughput_rps"] / x["roofline_rps"])
         assert x["ceilings"]["device"] == "cpu" and x["gpu"] == "cpu"
@@ -77,12 +84,34 @@ def test_spec_expands_to_points_grouped_by_stack():
     points = expand(spec)
     assert len(points) == 3 * 2 * 2 * 2
     keys = [key for key, _ in groups(points)]
-    # loraplex and base-only: one stack per policy for every n; peft: one per n as well.
+    # base-only runs on the loraplex stack (one per policy, every n); peft: one per n as well.
     assert keys == [("S2", "loraplex", None, "early-abort"), ("S2", "loraplex", None, "fcfs"),
-                    ("S2", "base-only", None, "early-abort"), ("S2", "base-only", None, "fcfs"),
                     ("S2", "peft", 5, "early-abort"), ("S2", "peft", 5, "fcfs"),
                     ("S2", "peft", 100, "early-abort"), ("S2", "peft", 100, "fcfs")]
     assert len({point_key(p) for p in points}) == len(points)
+    first = dict(groups(points))[("S2", "loraplex", None, "early-abort")]
+    # n by n: the systems' comparison at the first n comes before the next n.
+    assert [(p.system, p.n_adapters) for p in first if p.req_rate == 10] == [
+        ("loraplex", 5), ("base-only", 5), ("loraplex", 100), ("base-only", 100)]
+
+
+def test_a_system_can_have_its_own_n_list_timeout_and_tail(tmp_path):
+    spec = SweepSpec.from_dict({"name": "x", "setting": "S2", "systems": ["loraplex", "base-only", "peft"],
+                                "n": [100, 5, 2000], "rates": [40], "duration_s": 140, "point_tail_s": 20,
+                                "by_system": {"base-only": {"n": [100]},
+                                              "peft": {"n": 100, "request_timeout_s": 60, "point_tail_s": 70}}})
+    points = expand(spec)
+    assert [(p.system, p.n_adapters) for p in points] == [
+        ("loraplex", 100), ("base-only", 100), ("peft", 100), ("loraplex", 5), ("loraplex", 2000)]
+    assert (spec.own("peft", "request_timeout_s"), spec.own("loraplex", "request_timeout_s")) == (60, 300.0)
+    driver = Driver(spec, tmp_path / "work", tmp_path / "x.jsonl", progress=False)
+    assert [driver.point_estimate(p) for p in points[:3]] == [160, 160, 210]
+    for bad, message in [({"bmm": {"n": [5]}}, "not in systems"), ({"peft": {"n": [-1]}}, "integers >= 0"),
+                         ({"peft": {"rates": [4]}}, "unknown field"), ({"peft": [5]}, "unknown field"),
+                         ({"peft": {"request_timeout_s": 0}}, "must be > 0"), ([5], "maps a system")]:
+        with pytest.raises(ValueError, match=message):
+            SweepSpec.from_dict({"name": "x", "setting": "S2", "systems": ["loraplex", "peft"], "n": [5],
+                                 "rates": [40], "by_system": bad})
 
 
 def test_plan_packs_stacks_and_points_into_the_budget(tmp_path):
