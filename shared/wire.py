@@ -379,6 +379,7 @@ class Pong(Message):
     arena_pinned_bytes: int = 0
     arena_adapters: int = 0
     arena_pins: int = 0  # acquisitions not yet released, summed over adapters and workers
+    arena_name: str = ""  # its shared-memory segment, which CUDA workers pin while they start
 
 
 # --------------------------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ class StoreService:
         arena = self.arena
         return Pong("adapter_store", ready=True, pid=os.getpid(), call_id=msg.call_id,
                     arena_capacity_bytes=arena.capacity, arena_used_bytes=arena.used_bytes,
-                    arena_pinned_bytes=arena.pinned_bytes, arena_adapters=len(arena), arena_pins=arena.pin_count)
+                    arena_pinned_bytes=arena.pinned_bytes, arena_adapters=len(arena), arena_pins=arena.pin_count,
+                    arena_name=arena.name)
 
     def handle(self, identity, frames: list) -> list | None:
         """Reply frames for one request's frames (identity stripped), or None for no reply now (none at all,

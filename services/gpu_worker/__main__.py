@@ -18,6 +18,8 @@ from .warmup import WithWarmupAdapter, warm_up, warmup_adapter
 from .worker_config import WorkerConfig, parse_args
 
 log = get_logger(__name__)
+# The store is up long before a worker has loaded its model; a silent one leaves the arena unpinned.
+ARENA_NAME_TIMEOUT_S = 10.0
 
 
 def engine_class(tp: int):
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if warm:
             warm_up(engine, cfg)
+        if segments.register_with_cuda:
+            # Before the worker reports ready: pinning a large arena takes seconds (ArenaSegments).
+            segments.pin_at_start(store.arena_name(timeout_s=ARENA_NAME_TIMEOUT_S))
         service = WorkerService(worker, engine, loader, ctx)
         install_signal_handlers(service)
         log.info("worker.started", worker=worker.worker_id, device=str(device), slots=engine.pool.num_slots,

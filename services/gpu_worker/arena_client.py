@@ -22,8 +22,8 @@ import zmq
 from services.adapter_store.arena_reader import attach_arena, location_packed
 from shared.log import get_logger
 from shared.model_config import MODULES
-from shared.wire import (AcquireAdapter, AdapterLocation, Message, ReleaseAdapter, ReleaseWorker, StoreError,
-                         WireError, decode, encode)
+from shared.wire import (AcquireAdapter, AdapterLocation, Message, Ping, Pong, ReleaseAdapter, ReleaseWorker,
+                         StoreError, WireError, decode, encode)
 
 from .adapter_layout import PackedAdapter
 
@@ -36,27 +36,46 @@ class AdapterUnavailable(ValueError):
 
 
 class ArenaSegments:
-    """Arena segments mapped into this process, each attached once and kept until close()."""
+    """Arena segments mapped into this process, each attached once and kept until close().
+
+    Pinning (cudaHostRegister) a segment faults in and locks every page of it: seconds for tens of GiB,
+    during which the worker's loop would be silent and its supervisor would take it for hung. So the
+    segment is pinned while the worker starts (`pin_at_start`, before it reports ready); one first seen
+    later (an adapter_store restarted under another segment name) is only mapped, and copies from it are
+    staged pageable copies until the worker restarts.
+    """
 
     def __init__(self, register_with_cuda: bool):
         self.register_with_cuda = register_with_cuda
         self._segments: dict = {}
         self._registered: list[int] = []
 
+    def pin_at_start(self, name: str) -> None:
+        if name and name not in self._segments:
+            shm = self._attach(name)
+            if self.register_with_cuda:
+                self._pin(name, shm)
+
     def get(self, name: str):
         shm = self._segments.get(name)
         if shm is None:
-            try:
-                shm = attach_arena(name)
-            except FileNotFoundError:
-                raise AdapterUnavailable(f"arena segment {name!r} does not exist on this host") from None
-            self._segments[name] = shm
+            shm = self._attach(name)
             if self.register_with_cuda:
-                self._pin(name, shm)
+                log.warning("arena.not_pinned", segment=name,
+                            reason="first seen after start: adapter copies from it are pageable until a restart")
+        return shm
+
+    def _attach(self, name: str):
+        try:
+            shm = attach_arena(name)
+        except FileNotFoundError:
+            raise AdapterUnavailable(f"arena segment {name!r} does not exist on this host") from None
+        self._segments[name] = shm
         return shm
 
     def _pin(self, name: str, shm) -> None:
         """cudaHostRegister the whole segment; failure only costs bandwidth, so it is logged, not fatal."""
+        started = time.monotonic()
         ptr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
         try:
             err = torch.cuda.cudart().cudaHostRegister(ptr, shm.size, 0)
@@ -68,7 +87,7 @@ class ArenaSegments:
             log.warning("arena.pin_failed", segment=name, cuda_error=code)
             return
         self._registered.append(ptr)
-        log.info("arena.pinned", segment=name, bytes=shm.size)
+        log.info("arena.pinned", segment=name, bytes=shm.size, seconds=round(time.monotonic() - started, 2))
 
     def close(self) -> None:
         for ptr in self._registered:
@@ -104,6 +123,20 @@ class StoreClient:
         # A fresh process holds no pins, whatever an earlier process of this worker id held; said before
         # any acquire on this socket, so the store cannot drop a pin taken by this process.
         self.sock.send_multipart(encode(ReleaseWorker(worker_id=worker_id)))
+
+    def arena_name(self, timeout_s: float) -> str:
+        """The store's arena segment name ("" when the store does not answer in time; the worker then maps
+        the segment on its first adapter, unpinned)."""
+        call_id = uuid.uuid4().hex
+        self.sock.send_multipart(encode(Ping(call_id=call_id)))
+        self.in_flight[call_id] = ""
+        deadline = time.monotonic() + timeout_s
+        while call_id not in self.results and (left := deadline - time.monotonic()) > 0:
+            self.poll(left)
+        reply = self.results.pop(call_id, None)
+        if reply is None:
+            self.abandoned.add(call_id)
+        return reply.arena_name if isinstance(reply, Pong) else ""
 
     def start(self, adapter: str) -> str:
         call_id = uuid.uuid4().hex

@@ -118,3 +118,30 @@ def test_a_worker_that_maps_the_arena_and_exits_leaves_it_in_place(store, tiny_a
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) > 0
     assert os.path.exists(f"/dev/shm/{store.arena_name}"), "the arena vanished with a process that only mapped it"
+
+
+def test_a_starting_worker_learns_the_arena_name_and_maps_it_once(store, loader, tiny_adapter_dirs):
+    # What a CUDA worker does before it reports ready (there it also pins the segment with CUDA).
+    name = loader.store.arena_name(timeout_s=10)
+    assert name == store.arena_name
+    loader.segments.pin_at_start(name)
+    mapped = loader.segments._segments[name]
+    packed = loader(register(store, tiny_adapter_dirs[0], "after-start"))
+    assert loader.segments._segments == {name: mapped}  # the adapter's rows come from the segment mapped at start
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapped.buf))
+    assert base <= packed.rows.data_ptr() < base + mapped.size
+
+
+def test_a_silent_store_leaves_the_arena_name_empty_in_bounded_time():
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.ROUTER)  # takes the ping and never answers
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    client = StoreClient(ctx, f"tcp://127.0.0.1:{port}", "silent-test", timeout_s=1)
+    try:
+        started = time.monotonic()
+        assert client.arena_name(timeout_s=0.5) == ""
+        assert 0.5 <= time.monotonic() - started < 3
+    finally:
+        client.close()
+        sink.close(0)
+        ctx.term()
