@@ -173,6 +173,9 @@ class WorkerStatus(Message):
     finished_request_ids: list[str]
     ready: bool = True
     max_running: int = 0  # requests it runs at once at most; 0 = unknown (the scheduler's default applies)
+    # Requests it wants queued beyond max_running: with a full batch it admits in rounds of this many, which
+    # it can only do if that many wait on it (0 = none).
+    backlog: int = 0
     adapter_loads: int = 0  # adapters copied into the GPU pool since the worker started
     adapter_load_bytes: int = 0  # bytes of those copies
     preemptions: int = 0  # running requests preempted (KV freed, recomputed later) since the worker started

@@ -24,6 +24,8 @@ class StoreConfig:
     arena_name: str = _doc("name of the arena's shared-memory segment; empty = derived from the process id", "")
     registration_threads: int = _doc("registrations read, hashed, checked and stored at once, each on its own thread "
                                      "(lookups, acquires and releases are answered meanwhile)", 8)
+    load_threads: int = _doc("adapters read from disk into the arena at once for workers' acquires, on threads of "
+                             "their own so that a burst of registrations never delays a worker", 4)
     require_durable_redis: bool = _doc("refuse to start unless Redis has AOF on with appendfsync always", True)
 
     @classmethod

@@ -21,6 +21,7 @@ class Offloaded:
 
     work: Callable[[], Any]
     finish: Callable[[Any], Any]
+    pool: str = "register"  # which of the store's pools runs `work` (registrations, or loads for workers)
 
 
 class Offload:

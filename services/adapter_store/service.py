@@ -60,7 +60,8 @@ class StoreService:
             registry.check_durable()
         self.arena = Arena(cfg.arena_bytes, cfg.arena_name or f"loraplex-arena-{os.getpid()}")
         self.store = AdapterStore(cfg, registry, BlobStore(cfg.data_dir), self.arena, model)
-        self.offload = Offload(cfg.registration_threads, "register")
+        self.offloads = {"register": Offload(cfg.registration_threads, "register"),
+                         "load": Offload(cfg.load_threads, "load")}
         self.handlers: dict[type, Callable[[Message], Message | Offloaded | None]] = {
             RegisterAdapter: self.store.register,
             ListAdapters: self.store.list,
@@ -100,7 +101,8 @@ class StoreService:
                                      call_id=getattr(msg, "call_id", "")))
         reply = self._answer(msg, lambda: handler(msg))
         if isinstance(reply, Offloaded):
-            self.offload.submit(reply.work, lambda done: self._send(identity, self._answer(msg, lambda: reply.finish(done.result()))))
+            self.offloads[reply.pool].submit(
+                reply.work, lambda done: self._send(identity, self._answer(msg, lambda: reply.finish(done.result()))))
             return None
         return reply
 
@@ -132,7 +134,8 @@ class StoreService:
                  registration_threads=self.cfg.registration_threads, pid=os.getpid())
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.offload.fd, zmq.POLLIN)
+        for offload in self.offloads.values():
+            poller.register(offload.fd, zmq.POLLIN)
         while self.running:
             timeout = 0 if self.store.warm_queue else IDLE_POLL_MS
             ready = dict(poller.poll(timeout))
@@ -153,14 +156,16 @@ class StoreService:
                 self._send(identity, self.handle(identity, frames))
                 if not self.running:
                     break
-            # 2) answer finished registrations
-            self.offload.run_finished()
+            # 2) answer finished registrations and loads
+            for offload in self.offloads.values():
+                offload.run_finished()
 
     def stop(self, *_args) -> None:
         self.running = False
 
     def close(self) -> None:
-        self.offload.close()  # registrations under way finish and are answered
+        for offload in self.offloads.values():
+            offload.close()  # registrations and loads under way finish and are answered
         self.socket.close()
         self.ctx.term()
         self.arena.close()

@@ -245,10 +245,25 @@ class AdapterStore:
         return card
 
     # ------------------------------------------------------------------ workers
-    def acquire(self, msg: AcquireAdapter) -> AdapterLocation:
-        entry = self.arena.get(msg.adapter)
-        if entry is None:
-            self.load(msg.adapter)
+    def acquire(self, msg: AcquireAdapter) -> AdapterLocation | Offloaded:
+        """Pin an adapter for a worker. One in the arena is answered at once; one that must come from disk
+        is read, checked and packed on the pool (a 60 MB adapter takes a good fraction of a second, and
+        the loop must go on answering other workers and registrations meanwhile), then laid into the
+        arena and pinned on the loop."""
+        if self.arena.get(msg.adapter) is not None:
+            return self._pin_for(msg)
+        aid = msg.adapter
+        return Offloaded(lambda: self.prepare_load(aid), lambda packed: self._finish_acquire(msg, packed), pool="load")
+
+    def _finish_acquire(self, msg: AcquireAdapter, packed) -> AdapterLocation:
+        aid = msg.adapter
+        if self.arena.get(aid) is None:  # not laid in by another acquire of it that finished first
+            if self.registry.by_id(aid) is None:  # deleted while it was being read
+                raise not_found(aid, "adapter")
+            self._put(aid, packed)
+        return self._pin_for(msg)
+
+    def _pin_for(self, msg: AcquireAdapter) -> AdapterLocation:
         entry = self.arena.acquire(msg.adapter, msg.worker_id)
         return AdapterLocation(
             adapter=msg.adapter, segment=self.arena.name, offset=entry.offset, nbytes=entry.nbytes,
@@ -276,6 +291,11 @@ class AdapterStore:
 
     def load(self, aid: str, keep: frozenset[str] = frozenset()) -> None:
         """Read an adapter's blob, check it and lay its rows into the arena."""
+        self._put(aid, self.prepare_load(aid), keep)
+
+    def prepare_load(self, aid: str):
+        """An adapter's rows in the arena's format, from its stored blob, checked again (the blob is read
+        from disk). Touches no arena state: it runs on the pool."""
         card = self.registry.by_id(aid)
         if card is None:
             raise not_found(aid, "adapter")
@@ -286,7 +306,9 @@ class AdapterStore:
             raise StoreRefusal(500, "blob_unreadable", f"stored content of adapter {aid!r} cannot be read") from None
         checked = check_content(config_json, model_st, self.model, self.cfg.max_rank)
         checked.weights.name = aid
-        packed = pack_adapter(checked.weights, self.model, self.slot_width, self.dtype)
+        return pack_adapter(checked.weights, self.model, self.slot_width, self.dtype)
+
+    def _put(self, aid: str, packed, keep: frozenset[str] = frozenset()) -> None:
         try:
             self.arena.put(aid, packed, keep=keep)
         except ArenaFull as e:

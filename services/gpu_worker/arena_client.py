@@ -28,6 +28,8 @@ from shared.wire import (AcquireAdapter, AdapterLocation, Message, Ping, Pong, R
 from .adapter_layout import PackedAdapter
 
 log = get_logger(__name__)
+# `ready` reads the store's socket at most this often (it is asked once per waiting request per step).
+READY_POLL_S = 0.001
 
 
 class AdapterUnavailable(ValueError):
@@ -214,6 +216,7 @@ class ArenaAdapterLoader:
         self.pinned: dict[str, PackedAdapter] = {}
         self.pending: dict[str, str] = {}  # adapter -> call_id of a prefetch acquire not answered yet
         self.prefetched: dict[str, float] = {}  # adapter -> time its unused prefetch pin lapses
+        self._polled_at = float("-inf")
 
     def __call__(self, adapter: str) -> PackedAdapter:
         packed = self.pinned.get(adapter)
@@ -222,6 +225,32 @@ class ArenaAdapterLoader:
             packed = self._pin(adapter, self.store.wait(call_id))
         self.prefetched.pop(adapter, None)
         return packed
+
+    def ready(self, adapter: str) -> bool:
+        """Whether `self(adapter)` would return without waiting on the store. If not, its acquire is started
+        (or left running), so the engine can admit other requests meanwhile and ask again at its next step:
+        a step never waits on the disk reads of adapters that are not in the host arena yet."""
+        if adapter in self.pinned:
+            return True
+        call_id = self.pending.get(adapter)
+        if call_id is None:
+            self.prefetch(adapter)
+            return False
+        if call_id not in self.store.results:
+            now = self.clock()
+            if now - self._polled_at < READY_POLL_S:
+                return False  # asked about many waiting requests in one step: the socket is read once
+            self._polled_at = now
+            self.store.poll(0.0)
+            if call_id not in self.store.results:
+                return False
+        del self.pending[adapter]
+        try:
+            self._pin(adapter, self.store.result(call_id))
+        except (KeyError, ValueError):
+            return True  # the blocking call asks again and raises the store's answer to the engine
+        self.prefetched[adapter] = self.clock() + self.prefetch_ttl_s  # held until the engine takes it
+        return True
 
     def prefetch(self, adapter: str) -> None:
         """Start acquiring an adapter without waiting; `collect` picks up the answer."""

@@ -35,6 +35,9 @@ from .weights import ModelWeights, dummy_weights, load_weights
 
 log = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Waiting requests looked at per admission, at most: requests whose adapters are still being fetched are
+# passed over, and the look past them is bounded so a long queue of such requests costs little per step.
+ADMISSION_SCAN = 256
 
 
 class Engine:
@@ -283,25 +286,30 @@ class Engine:
         if self.merge is not None:
             self.merge.before_admission()
         self._admitting = self._admitting or self._admission_due()
-        while self._admitting and self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            seq = self.waiting[0]
+        i = 0  # waiting requests passed over because their adapter is still on its way from the store
+        while (self._admitting and i < len(self.waiting) and i < ADMISSION_SCAN and budget > 0
+               and len(self.running) < self.config.max_running_requests):
+            seq = self.waiting[i]
             n = min(seq.remaining, budget)
             name = seq.req.adapter
             if self.merge is not None:
                 if not self.merge.admits(seq):
                     break
                 name = None  # its adapter is merged into the weights: it runs as a base-model request
+            if name and not self.adapters.ready(name):
+                i += 1  # its load has started; requests behind it go first instead of the step waiting
+                continue
             try:
                 need = n + (self.adapters.slots_to_load(name) if name else 0)
             except (KeyError, ValueError) as exc:
-                self.waiting.popleft()
+                del self.waiting[i]
                 self._fail(seq, f"adapter {name!r} cannot be loaded: {exc}")
                 continue
             # Admit only what fits now (evicting unused adapters if needed): a request never holds an
             # adapter's slots while it waits.
             if not self.adapters.can_make_room(need, keep=name):
                 if not self.running:
-                    self.waiting.popleft()
+                    del self.waiting[i]
                     self._fail(seq, f"request needs {need} slots (KV and adapter); the pool has {self.pool.num_slots}")
                     continue
                 break
@@ -309,11 +317,11 @@ class Engine:
                 try:
                     seq.adapter = self.adapters.acquire(name)
                 except (KeyError, ValueError) as exc:
-                    self.waiting.popleft()
+                    del self.waiting[i]
                     self._fail(seq, f"adapter {name!r} cannot be loaded: {exc}")
                     continue
             self.adapters.evict_until(n)
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.order = self._order
             self._order += 1
             seq.row = self.page_table.assign_row()
@@ -325,6 +333,11 @@ class Engine:
             self._admitting = False  # the round is over: the batch is full or nobody waits
         return scheduled
 
+    @property
+    def admission_round(self) -> int:
+        """Requests admitted together once a busy batch has room for them (1 = one at a time)."""
+        return min(self.config.admission_batch, max(1, self.config.max_running_requests // 8))
+
     def _admission_due(self, finishing: int = 0) -> bool:
         """Whether an admission round starts now. Each step that admits requests carries their prefill and
         runs eagerly (only pure decode steps replay CUDA graphs); admitting one request as each finishes would
@@ -333,7 +346,7 @@ class Engine:
         if not self.waiting:
             return False
         free = self.config.max_running_requests - len(self.running) + finishing
-        need = min(self.config.admission_batch, max(1, self.config.max_running_requests // 8), len(self.waiting))
+        need = min(self.admission_round, len(self.waiting))
         return not self.running or free >= need
 
     def _give_slots(self, seq: Sequence, n: int) -> None:

@@ -29,6 +29,12 @@ class Resident:
     refcount: int = 0
 
 
+def adapter_ready(loader, name: str) -> bool:
+    """A loader's answer to "would loading `name` return at once?"; loaders without `ready` always would."""
+    ready = getattr(loader, "ready", None)
+    return True if ready is None else bool(ready(name))
+
+
 class AdapterTooLarge(ValueError):
     pass
 
@@ -87,6 +93,11 @@ class ResidentAdapters:
     @property
     def unused_slots(self) -> int:
         return sum(len(self._by_name[n].slots) for n in self._unused)
+
+    def ready(self, name: str) -> bool:
+        """Whether admitting a request of `name` now would not wait on the loader (resident, staged, or the
+        loader says its bytes are at hand; loaders that cannot tell are always ready)."""
+        return name in self._by_name or name in self._staged or adapter_ready(self.loader, name)
 
     def slots_to_load(self, name: str) -> int:
         """Slots that pinning `name` would take from the free list (0 if already resident)."""

@@ -34,6 +34,8 @@ log = get_logger(__name__)
 
 # Most Assign/Abort messages drained in one pass, so a flood cannot starve the running batch of steps.
 MAX_DRAIN = 256
+# How long an idle loop waits for messages while the store is still answering adapter acquires.
+ADAPTER_POLL_S = 0.002
 
 
 def engine_request(req: SubmitRequest) -> EngineRequest:
@@ -91,6 +93,8 @@ class WorkerService:
         self.last_touch = float("-inf")
         self.stopping = False
         self.max_running = engine.config.max_running_requests
+        # A round's worth of requests queued here beyond the batch (see Engine.admission_round).
+        self.backlog = engine.admission_round if engine.admission_round > 1 else 0
 
     # ---- 1) drain ------------------------------------------------------------------------------
     def drain(self, timeout_s: float) -> None:
@@ -201,6 +205,7 @@ class WorkerService:
             free_slots=cap["free_slots"], kv_slots=cap["kv_slots"], adapter_slots=cap["adapter_slots"],
             running=cap["running"], waiting=cap["waiting"], resident_adapters=list(cap["resident_adapters"]),
             finished_request_ids=self.finished_ids, ready=not self.stopping, max_running=self.max_running,
+            backlog=self.backlog,
             adapter_loads=cap["adapter_loads"], adapter_load_bytes=cap["adapter_bytes_loaded"],
             preemptions=cap.get("preemptions", 0),
         )
@@ -235,7 +240,10 @@ class WorkerService:
         self.report(force=bool(self.finished_ids) or self.engine.has_unfinished())
         if flight is None:
             self.loader.release_evicted(self.held_adapters())
-        self.drain(0.0 if flight is not None or self.pending_outputs else self.config.heartbeat_s / 2)
+        # Nothing on the GPU: wait for messages, but only briefly while adapters are on their way from
+        # the store (their replies arrive on another socket, and waiting requests need them).
+        idle_wait = ADAPTER_POLL_S if self.loader.pending else self.config.heartbeat_s / 2
+        self.drain(0.0 if flight is not None or self.pending_outputs else idle_wait)
         if flight is not None:
             self.unsent = self.finish_step(flight)
             took = self.clock() - started

@@ -19,6 +19,7 @@ from shared.model_config import MODULES, ModelConfig
 
 from .adapter_layout import PackedAdapter, pack_adapter
 from .requests import EngineRequest
+from .resident_adapters import adapter_ready
 from .sampling import SamplingParams
 
 log = get_logger(__name__)
@@ -48,6 +49,9 @@ class WithWarmupAdapter:
 
     def __call__(self, name: str) -> PackedAdapter:
         return self.packed if name == WARMUP_ADAPTER else self.loader(name)
+
+    def ready(self, name: str) -> bool:
+        return name == WARMUP_ADAPTER or adapter_ready(self.loader, name)
 
 
 def warmup_requests(cfg: ModelConfig, max_model_len: int, num_slots: int, max_running: int) -> list[EngineRequest]:

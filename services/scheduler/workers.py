@@ -63,7 +63,10 @@ class WorkerState:
         status = self.status
         if status is None:
             return WorkerView(self.worker_id, ready=False)
-        cap = status.max_running or default_max_running
+        # Its batch plus the backlog it asked for: a worker admitting in rounds needs a round's worth waiting
+        # on it when places free up, or each step would admit the few sent since the last status (and run
+        # eagerly with their prefill) instead of one step admitting a whole round.
+        cap = (status.max_running or default_max_running) + status.backlog
         free_requests = max(0, cap - len(self.requests))
         # A worker with its own backlog could not admit what it has: sending more only parks requests
         # where the scheduler can no longer reorder, route or early-abort them.

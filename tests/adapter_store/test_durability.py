@@ -176,3 +176,45 @@ def test_the_arena_segment_never_outlives_the_store(store_factory, sig):
     while os.path.exists(f"/dev/shm/{store.arena_name}"):
         assert time.monotonic() < deadline, "arena segment leaked"
         time.sleep(0.05)
+
+
+def test_acquires_from_disk_at_once_share_one_arena_copy_and_the_store_keeps_answering(store_factory, tiny_adapter_dirs):
+    """After a restart the arena is empty: acquires read the blob on the load threads. Two workers asking for
+    the same adapter at once get the same rows; a ping sent behind them is answered too."""
+    import zmq
+
+    from shared.wire import AdapterLocation, Ping, Pong, decode, encode
+
+    first = store_factory()
+    client = first.client()
+    cards = [register(client, folder, f"cold-{i}") for i, folder in enumerate(tiny_adapter_dirs[:3])]
+    client.close()
+    first.stop()
+    store = store_factory()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(store.address)
+    try:
+        asks = [AcquireAdapter(c.id, f"worker-{w}", call_id=f"{c.id}/{w}") for c in cards for w in (0, 1)]
+        for msg in asks:
+            sock.send_multipart(encode(msg))
+        sock.send_multipart(encode(Ping(call_id="ping")))
+        replies = {}
+        while len(replies) < len(asks) + 1:
+            assert sock.poll(20_000), f"no reply; got {sorted(replies)}"
+            reply = decode(sock.recv_multipart())
+            replies[reply.call_id] = reply
+        for c in cards:
+            a, b = replies[f"{c.id}/0"], replies[f"{c.id}/1"]
+            assert isinstance(a, AdapterLocation) and isinstance(b, AdapterLocation)
+            assert (a.offset, a.nbytes) == (b.offset, b.nbytes)
+        assert len({replies[f"{c.id}/0"].offset for c in cards}) == len(cards)
+        sock.send_multipart(encode(Ping(call_id="after")))
+        assert sock.poll(20_000)
+        pong = decode(sock.recv_multipart())
+        assert isinstance(pong, Pong) and (pong.arena_adapters, pong.arena_pins) == (len(cards), 2 * len(cards))
+        assert pong.arena_name and pong.arena_name == store.arena_name
+    finally:
+        sock.close(0)
+        ctx.term()

@@ -145,3 +145,30 @@ def test_a_silent_store_leaves_the_arena_name_empty_in_bounded_time():
         client.close()
         sink.close(0)
         ctx.term()
+
+
+def test_ready_starts_the_acquire_and_never_waits(store, loader, tiny_adapter_dirs):
+    aid = register(store, tiny_adapter_dirs[0], "ready-me")
+    assert loader.ready(aid) is False  # not in the arena yet: asked for, not waited on
+    assert aid in loader.pending
+    deadline = time.monotonic() + 20
+    while not loader.ready(aid):
+        assert time.monotonic() < deadline, "the store never answered"
+        time.sleep(0.01)
+    assert aid in loader.pinned and aid not in loader.pending
+    packed = loader.pinned[aid]
+    assert loader(aid) is packed  # the engine's load takes the pinned bytes: no second acquire
+    # Held for the engine until used, then given back like any adapter the pool no longer holds.
+    assert loader.release_evicted(resident={aid}) == []
+    loader.prefetched.clear()
+    assert loader.release_evicted(resident=set()) == [aid]
+
+
+def test_ready_for_an_unknown_adapter_lets_the_load_raise(loader):
+    assert loader.ready("tenant:nobody@0000000000000000") is False
+    deadline = time.monotonic() + 20
+    while not loader.ready("tenant:nobody@0000000000000000"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(KeyError):
+        loader("tenant:nobody@0000000000000000")
