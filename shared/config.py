@@ -38,6 +38,11 @@ class EngineConfig:
                                "batches with nothing to admit), so host work hides behind the GPU; off until its "
                                "speed is proven on a GPU (docs/benchmarks.md)", False)
     cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)
+    cuda_graph_warmup_s: float = _doc("seconds a CUDA worker spends capturing decode graphs (every batch, rank and "
+                                      "context bucket up to cuda_graph_max_context) before it reports ready; the "
+                                      "rest are captured on first use; 0 = all on first use", 120.0)
+    cuda_graph_max_context: int = _doc("longest context whose decode graphs are captured before ready (0 = "
+                                       "max_model_len)", 2048)
     lora_mode: str = _doc("how adapters are applied: unified (paged pool kernels), bmm (baseline: rows copied to "
                           "buffers padded to the batch's max rank, torch.bmm) or merge (baseline: one adapter per "
                           "batch, merged into the base weights)", "unified")
@@ -56,6 +61,9 @@ class EngineConfig:
                              f"less than num_slots ({self.num_slots})")
         if isinstance(self.admission_batch, bool) or not isinstance(self.admission_batch, int) or self.admission_batch < 1:
             raise ValueError(f"admission_batch must be an integer >= 1 (1 = admit at every step), got {self.admission_batch!r}")
+        if not self.cuda_graph_warmup_s >= 0 or self.cuda_graph_max_context < 0:
+            raise ValueError("cuda_graph_warmup_s and cuda_graph_max_context must be >= 0, got "
+                             f"{self.cuda_graph_warmup_s!r} and {self.cuda_graph_max_context!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

@@ -12,6 +12,8 @@ short contexts into mostly empty pieces.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from shared.model_config import MODULES
@@ -30,6 +32,15 @@ IDS, POS, OUT_SLOT, CTX, ADAPTER, ROW = range(6)
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= value)
+
+
+def capture_plan(batch_buckets: tuple[int, ...], rank_buckets: tuple[int, ...],
+                 context_buckets: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(batch, rank, context) keys in capture order: the short contexts every request passes through first,
+    within a context the largest batch first (smaller graphs then reuse its memory pool blocks), each batch
+    without LoRA and at every rank bucket."""
+    return [(size, rank, ctx) for ctx in context_buckets for size in reversed(batch_buckets)
+            for rank in (0, *rank_buckets)]
 
 
 class DecodeGraphs:
@@ -90,13 +101,26 @@ class DecodeGraphs:
             logits = self._forward(batch, size)
         return graph, logits
 
-    def capture(self, max_context: int) -> None:
-        """Capture every batch and rank bucket for contexts up to `max_context` ahead of traffic (largest
-        first, so smaller graphs reuse its memory); otherwise shapes are captured on first use."""
-        ctx = self._context_bucket(max_context)
-        for size in reversed(self.batch_buckets):
-            for rank in (0,) + self.rank_buckets:
-                self._graph(size, rank, ctx)
+    def context_buckets(self, max_context: int) -> tuple[int, ...]:
+        """The context buckets a decode step of contexts up to `max_context` can use, smallest first."""
+        out = [self._context_bucket(1)]
+        while out[-1] < self._context_bucket(max_context):
+            out.append(self._context_bucket(out[-1] + 1))
+        return tuple(out)
+
+    def capture_all(self, max_context: int, deadline: float, clock=time.monotonic) -> int:
+        """Capture the graphs of every (batch, rank, context) bucket for contexts up to `max_context` before
+        traffic, as far as `deadline` allows (the rest are captured on first use). A graph first seen under
+        load costs its capture and the kernel compiles of its shapes, about a second each, in a step every
+        running request waits for. Returns how many graphs were captured."""
+        done = 0
+        for key in capture_plan(self.batch_buckets, self.rank_buckets, self.context_buckets(max_context)):
+            if clock() >= deadline:
+                break
+            if key not in self.graphs:
+                self._graph(*key)
+                done += 1
+        return done
 
     def _graph(self, size: int, rank: int, ctx: int):
         key = (size, rank, ctx)

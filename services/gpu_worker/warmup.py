@@ -80,6 +80,26 @@ def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0) -> float:
             if time.monotonic() - started > timeout_s:
                 raise RuntimeError(f"warm-up did not finish within {timeout_s:g}s")
     engine.adapters.evict(WARMUP_ADAPTER)
+    graphs = capture_graphs(engine)
     seconds = time.monotonic() - started
-    log.info("worker.warmed_up", seconds=round(seconds, 2), requests=len(requests))
+    log.info("worker.warmed_up", seconds=round(seconds, 2), requests=len(requests), graphs=graphs)
     return seconds
+
+
+def capture_graphs(engine) -> int:
+    """Decode graphs captured ahead of traffic, within the engine's cuda_graph_warmup_s. A capture that
+    fails (e.g. out of memory) ends this early; those shapes are then captured on first use, or run eagerly."""
+    graphs = getattr(engine, "graphs", None)
+    config = engine.config
+    if graphs is None or config.cuda_graph_warmup_s <= 0:
+        return 0
+    max_context = min(config.cuda_graph_max_context or engine.max_model_len, engine.max_model_len)
+    started = time.monotonic()
+    try:
+        count = graphs.capture_all(max_context, deadline=started + config.cuda_graph_warmup_s)
+    except RuntimeError as e:  # torch.cuda.OutOfMemoryError among others
+        log.warning("worker.graph_capture_stopped", error=str(e)[:300], captured=len(graphs.graphs))
+        return len(graphs.graphs)
+    log.info("worker.graphs_captured", graphs=count, seconds=round(time.monotonic() - started, 2),
+             max_context=max_context)
+    return count

@@ -54,3 +54,21 @@ def test_graph_replay_matches_eager(tmp_path):
     for rid in tokens:
         for a, b in zip(logits[rid], eager_logits[rid]):
             assert (a - b).abs().max().item() < 1e-3
+
+
+def test_warm_up_captures_every_graph_the_traffic_can_use(tmp_path):
+    from services.gpu_worker.cuda_graphs import capture_plan
+    from services.gpu_worker.warmup import capture_graphs
+
+    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
+    engine = Engine.from_model_dir(base, EngineConfig(device="cuda", num_slots=4096, max_lora_rank=32,
+                                                      cuda_graph_max_batch=8, max_model_len=1500,
+                                                      cuda_graph_max_context=1024))
+    graphs = engine.graphs
+    assert graphs.context_buckets(1024) == (512, 1024)
+    assert capture_graphs(engine) == len(graphs.graphs)
+    expected = capture_plan(graphs.batch_buckets, graphs.rank_buckets, (512, 1024))
+    assert set(graphs.graphs) == set(expected)
+    # Nothing is captured twice, and a deadline already past captures nothing more.
+    assert graphs.capture_all(1024, deadline=float("inf")) == 0
+    assert graphs.capture_all(2048, deadline=0.0) == 0
