@@ -67,6 +67,8 @@ class Engine:
         # One spare page-table row (and slot) for the padding rows of graph-replayed decode steps.
         self.page_table = PageTable(config.max_running_requests + 1, self.max_model_len, self.device)
         self.graphs = self._decode_graphs() if self.device.type == "cuda" and config.cuda_graphs else None
+        # Slots held for the engine's whole life, by no request or adapter: the graphs' padding slot.
+        self.reserved_slots = 1 if self.graphs is not None else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self._by_id: dict[str, Sequence] = {}
