@@ -79,6 +79,7 @@ class StoreService:
         # Only a guard against absurd frames: uploads over the cap but under this still get a clean 413.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * cfg.max_upload_bytes + 16 * 2**20)
         self.running = True
+        self.warming = False  # a hinted load is on the load threads
 
     def ping(self, msg: Ping) -> Pong:
         arena = self.arena
@@ -137,15 +138,11 @@ class StoreService:
         for offload in self.offloads.values():
             poller.register(offload.fd, zmq.POLLIN)
         while self.running:
-            timeout = 0 if self.store.warm_queue else IDLE_POLL_MS
+            timeout = 0 if self.store.warm_queue and not self.warming else IDLE_POLL_MS
             ready = dict(poller.poll(timeout))
             if not ready:
-                # 3) idle: load one prefetched adapter
-                try:
-                    self.store.warm_step()
-                except Exception:  # e.g. Redis briefly away: a prefetch is only a hint, drop the rest of it
-                    log.exception("warm_failed")
-                    self.store.warm_queue.clear()
+                # 3) idle: start loading the next prefetched adapter
+                self._warm_next()
                 continue
             # 1) answer everything waiting
             for _ in range(BATCH if self.socket in ready else 0):
@@ -159,6 +156,29 @@ class StoreService:
             # 2) answer finished registrations and loads
             for offload in self.offloads.values():
                 offload.run_finished()
+
+    def _warm_next(self) -> None:
+        """One hinted load at a time, on the load threads: hints are guesses, so they never take more than
+        one of the threads that workers' acquires need."""
+        if self.warming:
+            return
+        try:
+            work = self.store.next_warm()
+        except Exception:  # a prefetch is only a hint: drop the rest of it
+            log.exception("warm_failed")
+            self.store.warm_queue.clear()
+            return
+        if work is not None:
+            self.warming = True
+            self.offloads[work.pool].submit(work.work, lambda done: self._warmed(work, done))
+
+    def _warmed(self, work: Offloaded, done) -> None:
+        self.warming = False
+        try:
+            work.finish(done.result())
+        except Exception as e:  # e.g. deleted or unreadable meanwhile, Redis briefly away: only a hint
+            log.info("warm_failed", error=f"{type(e).__name__}: {e}")
+            self.store.warm_queue.clear()
 
     def stop(self, *_args) -> None:
         self.running = False

@@ -339,11 +339,21 @@ class AdapterStore:
             return e.code != "arena_full"
         return True
 
-    def warm_step(self) -> bool:
-        """Load the next queued hint; True while more remain."""
-        if not self.warm_queue:
-            return False
-        aid, keep = self.warm_queue.popleft()
-        if not self._warm_one(aid, keep):
+    def next_warm(self) -> Offloaded | None:
+        """The next queued hint not yet in the arena, as work for the load threads (reading a large adapter
+        takes long enough that the loop must not do it), or None when none is left."""
+        while self.warm_queue:
+            aid, keep = self.warm_queue.popleft()
+            if aid not in self.arena:
+                return Offloaded(lambda: self.prepare_load(aid), lambda packed: self._finish_warm(aid, keep, packed),
+                                 pool="load")
+        return None
+
+    def _finish_warm(self, aid: str, keep: frozenset[str], packed) -> None:
+        if aid in self.arena or self.registry.by_id(aid) is None:  # acquired meanwhile, or deleted
+            return
+        try:
+            self._put(aid, packed, keep)
+        except StoreRefusal as e:  # arena full of more urgent adapters: the rest of the hint waits
+            log.info("warm_skipped", adapter=aid, code=e.code, reason=e.message)
             self.warm_queue.clear()
-        return bool(self.warm_queue)
