@@ -1,10 +1,10 @@
 """Figures from the result lines of docs/bench/*.jsonl (matplotlib, Agg, PNG).
 
 - throughput vs number of adapters: one figure per setting, a line per system (and rate, cv, policy where
-  the file holds several), log-scaled n;
+  the file holds several), log-scaled n; a system measured at one n only is a single point;
 - throughput and SLO attainment vs request rate: one figure per setting, a line per system and n;
 - SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy.
-A line is drawn only where its x varies (two points at least). A point measured twice counts once (the
+Otherwise a line is drawn only where its x varies (two points at least). A point measured twice counts once (the
 later line: a rerun replaces it). `plot_file` returns what it drew, figure by figure, read back from the
 figures' own lines, so a caller (or a test) sees exactly the plotted series.
 """
@@ -35,8 +35,10 @@ def read_lines(path: str | Path) -> list[dict]:
     return list(by_point.values())
 
 
-def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...]) -> dict[tuple, dict[str, list]]:
-    """{figure key: {label: sorted [(x, y)]}}, lines = every group key but x; only lines with 2+ points."""
+def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...], min_points: int = 2
+            ) -> dict[tuple, dict[str, list]]:
+    """{figure key: {label: sorted [(x, y)]}}, lines = every group key but x; only lines with `min_points`+
+    points, and only figures with one line of 2+ points at least."""
     line_keys = tuple(k for k in GROUP_KEYS if k != x and k not in figure_keys)
     grouped: dict[tuple, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
     for line in lines:
@@ -45,8 +47,8 @@ def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...]) -> 
         grouped[tuple(line[k] for k in figure_keys)][tuple(line[k] for k in line_keys)].append((line[x], line[y]))
     out: dict[tuple, dict[str, list]] = {}
     for fig, by_line in grouped.items():
-        by_line = {k: sorted(v) for k, v in by_line.items() if len({p[0] for p in v}) >= 2}
-        if not by_line:
+        by_line = {k: sorted(v) for k, v in by_line.items() if len({p[0] for p in v}) >= min_points}
+        if not any(len({p[0] for p in v}) >= 2 for v in by_line.values()):
             continue
         # Name each line by what tells it apart from the others in its figure.
         varying = [i for i, k in enumerate(line_keys) if len({key[i] for key in by_line}) > 1] or [0]
@@ -99,7 +101,8 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
     stem = path.stem
     written: dict[str, dict] = {}
 
-    for (setting,), series in _series(lines, "n_adapters", "throughput_rps", ("setting",)).items():
+    # A system measured at one n only (base-only or PEFT beside a loraplex sweep, say) shows as a point.
+    for (setting,), series in _series(lines, "n_adapters", "throughput_rps", ("setting",), min_points=1).items():
         png = out_dir / f"{stem}-throughput-vs-adapters-{setting}.png"
         written[str(png)] = _figure([("throughput (req/s)", "throughput_rps", series)],
                                     f"{setting}: throughput vs number of adapters", "adapters (n)", True, png)

@@ -24,7 +24,7 @@ def write(path, lines):
 def test_throughput_vs_adapters_has_a_line_per_system(tmp_path):
     lines = [line("loraplex", n, throughput_rps=10.0 - n / 1000) for n in (5, 100, 1000)]
     lines += [line("bmm", n, throughput_rps=5.0 / (1 + n / 100)) for n in (5, 100)]
-    lines += [line("peft", 5, throughput_rps=0.8)]  # one point: no line to draw
+    lines += [line("peft", 5, throughput_rps=0.8)]  # one point: drawn as a point beside the lines
     lines += [line("loraplex", 100, throughput_rps=9.5)]  # a rerun replaces the earlier measurement
     drawn = plot_file(write(tmp_path / "sat.jsonl", lines), tmp_path / "png")
     png = str(tmp_path / "png" / "sat-throughput-vs-adapters-S2.png")
@@ -33,7 +33,12 @@ def test_throughput_vs_adapters_has_a_line_per_system(tmp_path):
     assert drawn[png]["throughput_rps"] == {
         "bmm": [(5.0, pytest.approx(5 / 1.05)), (100.0, 2.5)],
         "loraplex": [(5.0, 9.995), (100.0, 9.5), (1000.0, 9.0)],
+        "peft": [(5.0, 0.8)],
     }
+    # Single points alone make no figure.
+    assert plot_file(write(tmp_path / "one.jsonl", [line("peft", 5, throughput_rps=0.8),
+                                                     line("base-only", 100, throughput_rps=20.0)]),
+                     tmp_path / "png") == {}
 
 
 def test_rate_sweep_draws_throughput_and_slo_attainment(tmp_path):
