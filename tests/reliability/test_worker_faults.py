@@ -111,6 +111,7 @@ def test_failed_worker_ends_every_request_cleanly_in_time_and_leaks_nothing(stac
     assert wait_for(lambda: (pid := stack.service_pids().get("worker-0")) and pid != old_pid and ready(stack), 90), \
         "the worker was not restarted"
     assert not alive(old_pid), "the failed worker process is still there"
+    wait_for(lambda: watch.changes[-1][1], 5)  # the watcher samples every 50 ms: let it see the ready we just saw
     watch.stop.set()
     watch.thread.join(5)
     assert watch.saw_false_then_true(), watch.changes
