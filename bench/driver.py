@@ -421,10 +421,12 @@ class Driver:
 
         t0 = time.monotonic()
         records = self.work_dir / "records" / self.spec.name / (point_key(p).replace("/", "_") + ".jsonl")
+        cpu = ServiceCpu(stack)
         line = run_point(stack.url, p, point_model_for(stack, p), self.setting.vocab_size, command=self.command,
                          request_timeout_s=self.spec.own(p.system, "request_timeout_s"), progress=self.progress,
                          records_path=records)
         wall = time.monotonic() - t0
+        line.update(cpu.report(wall))
         self.timings.note("point_tail", self.timing_key(p.system), max(0.0, wall - p.duration_s))
         line.update(key=point_key(p), sweep=self.spec.name, **info)
         if ceilings is not None:
@@ -454,6 +456,30 @@ def point_model_for(stack: Stack, p):
     if p.system == "base-only":
         return lambda request: stack.base_model
     return stack.model_for
+
+
+class ServiceCpu:
+    """CPU time each of a stack's processes spends during a point (the gateway, scheduler, store, redis and
+    each worker; the PEFT server is one process): a single-threaded service near one core is where the
+    serving path saturates before the GPU does."""
+
+    def __init__(self, stack: Stack):
+        from shared.probes import cpu_seconds, service_pids
+
+        pid = stack.proc.pid if stack.proc is not None else None
+        self.pids = (service_pids(pid) or {stack.config.system: pid}) if pid is not None else {}
+        self.start = {name: cpu_seconds(p) for name, p in self.pids.items()}
+
+    def report(self, wall_s: float) -> dict:
+        from shared.probes import cpu_seconds
+
+        used = {}
+        for name, pid in self.pids.items():
+            now, then = cpu_seconds(pid), self.start[name]
+            if now is not None and then is not None:
+                used[name] = round(now - then, 3)
+        return {"service_cpu_s": used,
+                "service_cpu_cores": {name: round(s / wall_s, 3) for name, s in used.items()} if wall_s > 0 else {}}
 
 
 def pool_total_slots(url: str) -> int:

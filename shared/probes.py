@@ -1,5 +1,5 @@
 """Looking at a running stack from outside it: free ports, the process tree under a supervisor, a process's
-memory, and one sample of a Prometheus exposition. The launcher, the soak script and the tests use these."""
+memory and CPU time, and one sample of a Prometheus exposition. The launcher, the soak script and the tests use these."""
 from __future__ import annotations
 
 import os
@@ -80,6 +80,14 @@ def alive(pid: int) -> bool:
     """Running (a zombie waiting to be reaped counts as gone)."""
     fields = _stat_fields(pid)
     return fields is not None and fields[0] != "Z"
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, all threads) a process has used so far, or None if it is gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float | None:

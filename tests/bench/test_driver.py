@@ -72,6 +72,10 @@ def test_two_point_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_pa
         assert x["ceilings"]["device"] == "cpu" and x["gpu"] == "cpu"
         assert x["command"].startswith("loraplex bench sweep") and "--budget-s" in x["command"]
         assert "scheduler.queue_order=auto" in x["stack_command"]
+        # CPU time of each service during the point, for where the serving path's time goes.
+        assert {"gateway", "scheduler", "adapter_store", "worker-0"} <= set(x["service_cpu_s"])
+        assert x["service_cpu_s"]["gateway"] > 0 and x["service_cpu_s"]["worker-0"] > 0
+        assert all(v >= 0 for v in x["service_cpu_cores"].values())
     # The second piece's stack found the first's registrations in the data dir and added the third adapter.
     assert (lines[0]["registration"]["created"], lines[0]["registration"]["already"]) == (2, 0)
     assert (lines[1]["registration"]["created"], lines[1]["registration"]["already"]) == (1, 2)
