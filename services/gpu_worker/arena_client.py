@@ -215,12 +215,20 @@ class ArenaAdapterLoader:
         # so the same view is handed out without a second pin.
         self.pinned: dict[str, PackedAdapter] = {}
         self.pending: dict[str, str] = {}  # adapter -> call_id of a prefetch acquire not answered yet
+        self.pending_since: dict[str, float] = {}  # adapter -> when that acquire was sent
         self.prefetched: dict[str, float] = {}  # adapter -> time its unused prefetch pin lapses
+        # What the store said (or failed to say in time) to an acquire `ready` started: the engine's next
+        # load of that adapter raises it, so its request fails with the store's reason, without a second wait.
+        self.failed: dict[str, Exception] = {}
         self._polled_at = float("-inf")
 
     def __call__(self, adapter: str) -> PackedAdapter:
+        failure = self.failed.pop(adapter, None)
+        if failure is not None:
+            raise failure
         packed = self.pinned.get(adapter)
         if packed is None:
+            self.pending_since.pop(adapter, None)
             call_id = self.pending.pop(adapter, None) or self.store.start(adapter)
             packed = self._pin(adapter, self.store.wait(call_id))
         self.prefetched.pop(adapter, None)
@@ -230,7 +238,7 @@ class ArenaAdapterLoader:
         """Whether `self(adapter)` would return without waiting on the store. If not, its acquire is started
         (or left running), so the engine can admit other requests meanwhile and ask again at its next step:
         a step never waits on the disk reads of adapters that are not in the host arena yet."""
-        if adapter in self.pinned:
+        if adapter in self.pinned or adapter in self.failed:
             return True
         call_id = self.pending.get(adapter)
         if call_id is None:
@@ -238,24 +246,37 @@ class ArenaAdapterLoader:
             return False
         if call_id not in self.store.results:
             now = self.clock()
+            if now - self.pending_since.get(adapter, now) > self.store.timeout_s:
+                # Lost with a store that died, or stuck: give up on it, as a blocking load would have.
+                self._forget_pending(adapter)
+                self.store.abandoned.add(call_id)
+                self.failed[adapter] = AdapterUnavailable(
+                    f"adapter store did not answer within {self.store.timeout_s:g}s")
+                return True
             if now - self._polled_at < READY_POLL_S:
                 return False  # asked about many waiting requests in one step: the socket is read once
             self._polled_at = now
             self.store.poll(0.0)
             if call_id not in self.store.results:
                 return False
-        del self.pending[adapter]
+        self._forget_pending(adapter)
         try:
             self._pin(adapter, self.store.result(call_id))
-        except (KeyError, ValueError):
-            return True  # the blocking call asks again and raises the store's answer to the engine
+        except (KeyError, ValueError) as e:
+            self.failed[adapter] = e  # the engine's load raises it: the request fails with this reason
+            return True
         self.prefetched[adapter] = self.clock() + self.prefetch_ttl_s  # held until the engine takes it
         return True
+
+    def _forget_pending(self, adapter: str) -> None:
+        self.pending.pop(adapter, None)
+        self.pending_since.pop(adapter, None)
 
     def prefetch(self, adapter: str) -> None:
         """Start acquiring an adapter without waiting; `collect` picks up the answer."""
         if adapter not in self.pinned and adapter not in self.pending:
             self.pending[adapter] = self.store.start(adapter)
+            self.pending_since[adapter] = self.clock()
 
     def collect(self) -> list[str]:
         """Pin the prefetches the store has answered; returns the adapters now ready to copy."""
@@ -266,7 +287,7 @@ class ArenaAdapterLoader:
         for adapter, call_id in list(self.pending.items()):
             if call_id not in self.store.results:
                 continue
-            del self.pending[adapter]
+            self._forget_pending(adapter)
             try:
                 self._pin(adapter, self.store.result(call_id))
             except (KeyError, ValueError) as e:

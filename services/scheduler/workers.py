@@ -68,9 +68,11 @@ class WorkerState:
         # eagerly with their prefill) instead of one step admitting a whole round.
         cap = (status.max_running or default_max_running) + status.backlog
         free_requests = max(0, cap - len(self.requests))
-        # A worker with its own backlog could not admit what it has: sending more only parks requests
-        # where the scheduler can no longer reorder, route or early-abort them.
-        if status.waiting > 0:
+        # A worker that admits each request as soon as it can, yet has some waiting, could not admit them:
+        # sending more only parks requests where the scheduler can no longer reorder, route or early-abort
+        # them. One that asked for a backlog is bounded by it instead: its waiting requests may only be
+        # waiting for their round, or for an adapter on its way, while others could run.
+        if status.waiting > 0 and not status.backlog:
             free_requests = 0
         return WorkerView(
             self.worker_id,

@@ -172,3 +172,32 @@ def test_ready_for_an_unknown_adapter_lets_the_load_raise(loader):
         time.sleep(0.01)
     with pytest.raises(KeyError):
         loader("tenant:nobody@0000000000000000")
+
+
+def test_an_acquire_the_store_never_answers_fails_its_request_after_the_timeout(tiny_model_dir):
+    # A store that died with the acquire in flight: `ready` gives up after the acquire timeout, as a
+    # blocking load would, and the engine's load then raises at once instead of waiting again.
+    from services.gpu_worker.arena_client import AdapterUnavailable
+
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.ROUTER)  # takes the acquire and never answers
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    loader = ArenaAdapterLoader(StoreClient(ctx, f"tcp://127.0.0.1:{port}", "lost-test", timeout_s=0.3),
+                                ArenaSegments(False), cfg.num_layers, cfg.kv_dim)
+    try:
+        assert loader.ready("tenant:a@0000000000000000") is False
+        started = time.monotonic()
+        while not loader.ready("tenant:a@0000000000000000"):
+            assert time.monotonic() - started < 5, "ready never gave up"
+            time.sleep(0.02)
+        assert time.monotonic() - started >= 0.25
+        started = time.monotonic()
+        with pytest.raises(AdapterUnavailable, match="did not answer"):
+            loader("tenant:a@0000000000000000")
+        assert time.monotonic() - started < 0.1  # raised at once, no second wait
+        assert loader.ready("tenant:a@0000000000000000") is False  # asked again: a fresh acquire
+    finally:
+        loader.store.close()
+        sink.close(0)
+        ctx.term()
