@@ -24,7 +24,11 @@ ARENA_ALIGN = 256
 
 
 class ArenaFull(RuntimeError):
-    """No room even after evicting every unpinned adapter."""
+    """No room even after evicting every unpinned adapter (for now: pins are given back)."""
+
+
+class ArenaTooSmall(ArenaFull):
+    """The adapter is larger than the whole arena: it can never be laid in."""
 
 
 @dataclass
@@ -115,7 +119,7 @@ class Arena:
     def _make_room(self, nbytes: int, keep: frozenset[str]) -> int:
         need = align_up(max(nbytes, 1), ARENA_ALIGN)
         if need > self.capacity:
-            raise ArenaFull(f"adapter needs {need} bytes; the arena holds {self.capacity}")
+            raise ArenaTooSmall(f"adapter needs {need} bytes; the arena holds {self.capacity}")
         compacted = False
         while True:
             offset = self.ranges.allocate(nbytes)

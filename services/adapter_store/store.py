@@ -28,7 +28,7 @@ from shared.wire import (
     DeleteAdapter, GetAdapter, ListAdapters, RegisterAdapter, ReleaseAdapter, ReleaseWorker, WarmAdapters, adapter_id,
 )
 
-from .arena import Arena, ArenaFull
+from .arena import Arena, ArenaFull, ArenaTooSmall
 from .blobs import BlobStore, pair_hasher
 from .config import StoreConfig
 from .contents import ContentFacts, ContentTable, check_fingerprint
@@ -311,7 +311,9 @@ class AdapterStore:
     def _put(self, aid: str, packed, keep: frozenset[str] = frozenset()) -> None:
         try:
             self.arena.put(aid, packed, keep=keep)
-        except ArenaFull as e:
+        except ArenaTooSmall as e:
+            raise StoreRefusal(507, "arena_too_small", str(e), "adapter") from None
+        except ArenaFull as e:  # every byte pinned by adapters being read: workers may ask again shortly
             raise StoreRefusal(507, "arena_full", str(e), "adapter") from None
         log.info("adapter_loaded", adapter=aid, bytes=packed.nbytes)
 

@@ -18,7 +18,9 @@ class SideStreamCopier:
         self.stream = torch.cuda.Stream(device=pool.device)
         self._pending: list[torch.cuda.Event] = []
 
-    def copy(self, slots: torch.Tensor, packed: PackedAdapter) -> None:
+    def copy(self, slots: torch.Tensor, packed: PackedAdapter) -> torch.cuda.Event:
+        """Queue the copy; the returned event completes once the host rows have been read (until then the
+        caller must keep them, e.g. its pin in the adapter_store's arena)."""
         # The pool rows being overwritten belonged to freed KV or evicted adapters, which no queued kernel
         # reads any more: every step ends with a sync on its sampled tokens.
         self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
@@ -29,6 +31,7 @@ class SideStreamCopier:
             event = torch.cuda.Event()
             event.record(self.stream)
         self._pending.append(event)
+        return event
 
     def order_before_compute(self) -> None:
         """Make the compute stream wait for every copy issued since the last step."""

@@ -199,8 +199,8 @@ class ArenaAdapterLoader:
     """The engine's `adapter_loader`: adapter id -> PackedAdapter whose rows are the arena bytes.
 
     Invariant: this worker holds exactly one store pin per entry of `pinned`. `release_evicted` drops the
-    pins of adapters the engine no longer holds in its pool (and of prefetched ones never used in time),
-    so the store may evict or delete them.
+    pins of adapters the engine no longer reads (resident copies need none, once copied) and of prefetched
+    ones never used in time, so the store may evict or delete them.
     """
 
     def __init__(self, store: StoreClient, segments: ArenaSegments, num_layers: int, slot_width: int,
@@ -260,6 +260,13 @@ class ArenaAdapterLoader:
             if call_id not in self.store.results:
                 return False
         self._forget_pending(adapter)
+        reply = self.store.results[call_id]
+        if isinstance(reply, StoreError) and reply.code == "arena_full":
+            # Every arena byte is pinned by adapters being read. Our unused prefetches may be among them:
+            # give them back, and ask again at the next step instead of failing the request.
+            del self.store.results[call_id]
+            self._release_prefetched()
+            return False
         try:
             self._pin(adapter, self.store.result(call_id))
         except (KeyError, ValueError) as e:
@@ -267,6 +274,12 @@ class ArenaAdapterLoader:
             return True
         self.prefetched[adapter] = self.clock() + self.prefetch_ttl_s  # held until the engine takes it
         return True
+
+    def _release_prefetched(self) -> None:
+        for adapter in list(self.prefetched):
+            del self.prefetched[adapter]
+            if self.pinned.pop(adapter, None) is not None:
+                self.store.release(adapter)
 
     def _forget_pending(self, adapter: str) -> None:
         self.pending.pop(adapter, None)
@@ -333,8 +346,8 @@ class ArenaAdapterLoader:
         return loc
 
     def release_evicted(self, resident) -> list[str]:
-        """Release every pinned adapter no longer resident in the engine's pool (prefetched ones once
-        their grace period lapses unused)."""
+        """Release every pinned adapter the engine no longer reads, `resident` being those it still may
+        (prefetched ones once their grace period lapses unused)."""
         now = self.clock()
         gone = [a for a in self.pinned if a not in resident and self.prefetched.get(a, now) <= now]
         for adapter in gone:

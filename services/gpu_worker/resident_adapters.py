@@ -41,10 +41,12 @@ class AdapterTooLarge(ValueError):
 
 class ResidentAdapters:
     def __init__(self, pool: UnifiedPool, cfg: ModelConfig, max_resident: int, max_rank: int,
-                 loader: Callable[[str], PackedAdapter], copy_rows: Callable[[torch.Tensor, PackedAdapter], None] | None = None):
+                 loader: Callable[[str], PackedAdapter], copy_rows: Callable[[torch.Tensor, PackedAdapter], object] | None = None):
         self.pool = pool
         self.loader = loader
         # Default copy is a synchronous scatter; the CUDA path passes one that stages on a side stream.
+        # Copies the rows into pool slots; returns None when done at once, else a handle whose query() says
+        # when the host rows have been read (a CUDA event of an asynchronous copy).
         self.copy_rows = copy_rows or (lambda slots, packed: pool.write_adapter_rows(slots, packed.rows))
         _, _, self.max_slots = layout_offsets((max_rank,) * len(MODULES), cfg, pool.slot_width)
         dev = pool.device
@@ -61,6 +63,7 @@ class ResidentAdapters:
         # Adapters fetched to learn their size but not yet admitted; acquire() takes them from here so the
         # loader runs once per load.
         self._staged: dict[str, PackedAdapter] = {}
+        self._copying: dict[str, object] = {}  # adapter -> handle of its copy into the pool, while running
         self.loads = 0
         self.bytes_loaded = 0
 
@@ -73,8 +76,14 @@ class ResidentAdapters:
 
     @property
     def held_names(self) -> set[str]:
-        """Adapters whose host rows may still be read: resident in the pool, or staged for admission."""
-        return set(self._by_name) | set(self._staged)
+        """Adapters whose host rows may still be read: staged for admission, or copied into the pool by a
+        copy not finished yet. A resident adapter whose copy is done needs them no more (every later read
+        is from the pool), so its host bytes (an arena pin) can go: the host cache is then never filled
+        by adapters that merely stay resident on the GPU."""
+        for name, done in list(self._copying.items()):
+            if done.query():
+                del self._copying[name]
+        return set(self._staged) | set(self._copying)
 
     @property
     def has_staged(self) -> bool:
@@ -141,7 +150,9 @@ class ResidentAdapters:
                 return None
             slots = self.pool.adapter_allocator.allocate(need)
             rid = self._free_ids.pop()
-            self.copy_rows(torch.tensor(slots, dtype=torch.long, device=self.pool.device), packed)
+            done = self.copy_rows(torch.tensor(slots, dtype=torch.long, device=self.pool.device), packed)
+            if done is not None:
+                self._copying[name] = done
             t = self.tables
             t.slots[rid, :need] = torch.tensor(slots, dtype=torch.int32)
             t.ranks[rid] = torch.tensor(packed.ranks, dtype=torch.int32)

@@ -173,8 +173,8 @@ class WorkerService:
         return outputs
 
     def held_adapters(self) -> set[str]:
-        """Adapters whose arena bytes the engine may still read: resident in its pool (the store's pin is
-        kept for as long as that copy lives) or staged for a waiting request and not yet copied."""
+        """Adapters whose arena bytes the engine may still read: staged for a waiting request, or being
+        copied into its pool. Every other pin is given back (resident copies need no host bytes)."""
         return self.engine.adapters.held_names
 
     # ---- 3) emit -------------------------------------------------------------------------------

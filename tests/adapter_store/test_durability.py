@@ -160,7 +160,7 @@ def test_an_adapter_larger_than_the_arena_registers_but_cannot_be_acquired(store
     assert not wide.host_resident and narrow.host_resident
     with pytest.raises(StoreCallError) as err:
         client.call(AcquireAdapter(wide.id, "worker-0"))
-    assert (err.value.error.status, err.value.error.code) == (507, "arena_full")
+    assert (err.value.error.status, err.value.error.code) == (507, "arena_too_small")
     assert client.call(AcquireAdapter(narrow.id, "worker-0")).nbytes == 2 * 2 * 11 * 4 * 64 * 4
     client.close()
 

@@ -62,13 +62,11 @@ def ready(stack: Stack) -> bool:
         return False
 
 
-def idle_without_leaks(stack: Stack, workers: tuple[str, ...] = ("worker-0",), timeout_s: float = 60.0,
-                       pins_exact: bool = True) -> str:
+def idle_without_leaks(stack: Stack, workers: tuple[str, ...] = ("worker-0",), timeout_s: float = 60.0) -> str:
     """Metrics once the stack is idle, asserting nothing leaked: no request running or queued anywhere,
-    no KV slot held, every pool slot free or holding an adapter, the gateway holding no request, and the
-    arena's pins exactly those of the adapters resident in the workers' pools (each resident copy keeps
-    one pin; a request that ended without releasing its adapter would leave one more). After a store restart
-    the workers' resident copies hold pins of the old process only: then pins may be fewer, never more."""
+    no KV slot held, every pool slot free or holding an adapter, the gateway holding no request, and no pin
+    left in the arena (a worker keeps one only while it reads an adapter's bytes: staged for admission or
+    being copied into its pool; a request that ended without releasing its adapter would leave one)."""
     last: dict = {}
 
     def settled():
@@ -88,7 +86,7 @@ def idle_without_leaks(stack: Stack, workers: tuple[str, ...] = ("worker-0",), t
         last.clear()
         last.update(values)
         zero = [k for k in values if k not in ("pins", "resident")]
-        pins_ok = values["pins"] == values["resident"] if pins_exact else values["pins"] <= values["resident"]
+        pins_ok = values["pins"] == 0
         return text if all(values[k] == 0 for k in zero) and pins_ok else None
 
     text = wait_for(settled, timeout_s, 0.25)

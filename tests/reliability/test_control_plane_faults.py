@@ -148,4 +148,4 @@ def test_store_sigkill_keeps_registrations_and_requests_never_hang(stack):
             r = c.post("/v1/completions", json=body(4, max_tokens=5, stream=False, model=model))
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, (model, r.text)
     # Pins taken from the new store are all given back; the old process's pins died with it.
-    idle_without_leaks(stack, pins_exact=False)
+    idle_without_leaks(stack)
