@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import shlex
 import signal
@@ -64,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="adapters, stack data, logs, timings, shared by every sweep (default %(default)s)")
     sweep.add_argument("--out-dir", default="docs/bench", help="results folder (default docs/bench)")
     sweep.add_argument("--dry-run", action="store_true", help="list the points and stacks still to run, run nothing")
+    sweep.add_argument("--since", default="", metavar="ISO_TIME",
+                       help="measure again every point whose line started before this time (UTC, e.g. "
+                            "2026-11-29T18:40); the older lines stay in the file, the latest line of a point wins")
     sweep.add_argument("--quiet", action="store_true", help="no progress bars")
 
     plot = sub.add_parser("plot", help=COMMANDS_HELP["plot"], description=COMMANDS_HELP["plot"] + ".")
@@ -115,8 +119,14 @@ def cmd_sweep(args, argv) -> int:
 
     spec = SweepSpec.load(args.spec)
     results = Path(args.out_dir) / f"{spec.name}.jsonl"
+    if args.since:
+        try:
+            datetime.datetime.fromisoformat(args.since)
+        except ValueError:
+            raise SystemExit(f"loraplex bench sweep: --since {args.since!r} is not an ISO time such as "
+                             "2026-11-29T18:40") from None
     if args.dry_run:
-        done = done_keys(results)
+        done = done_keys(results, args.since)
         for key, group in groups(expand(spec)):
             todo = [p for p in group if point_key(p) not in done]
             sys.stdout.write(f"stack {'/'.join(str(k) for k in key)}: {len(group) - len(todo)} done, {len(todo)} to run\n")
@@ -124,7 +134,8 @@ def cmd_sweep(args, argv) -> int:
                 sys.stdout.write(f"  {point_key(p)}\n")
         return 0
     _unwind_on_sigterm()
-    driver = Driver(spec, args.work_dir, results, args.budget_s, _command(argv), progress=not args.quiet)
+    driver = Driver(spec, args.work_dir, results, args.budget_s, _command(argv), progress=not args.quiet,
+                    since=args.since)
     result = driver.run_piece()
     sys.stdout.write(f"{spec.name}: {len(result.ran)} points measured in this piece, "
                      f"{result.total - result.remaining} of {result.total} in {results}\n")

@@ -27,6 +27,7 @@ each point), peft-views/ and timings.json.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import itertools
 import json
 import os
@@ -193,17 +194,28 @@ def groups(points: list) -> list[tuple[tuple, list]]:
     return list(out.items())
 
 
-def done_keys(results: Path) -> set[str]:
+def done_keys(results: Path, since: str = "") -> set[str]:
+    """Keys of the points in a results file; with `since` (an ISO time, UTC), only of those started at or
+    after it, so a sweep measures again what an older version of the server measured (its lines stay in the
+    file as history; readers take a point's latest line)."""
     if not results.is_file():
         return set()
+    cutoff = _utc(since) if since else None
     keys = set()
     for text in results.read_text().splitlines():
         if text.strip():
             try:
-                keys.add(json.loads(text)["key"])
-            except (json.JSONDecodeError, KeyError, TypeError):
+                line = json.loads(text)
+                if cutoff is None or _utc(line["started_at"]) >= cutoff:
+                    keys.add(line["key"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                 continue  # a line cut short by a kill: its point runs again
     return keys
+
+
+def _utc(text: str) -> datetime.datetime:
+    t = datetime.datetime.fromisoformat(text)
+    return t.replace(tzinfo=datetime.timezone.utc) if t.tzinfo is None else t
 
 
 def append_line(results: Path, line: dict) -> None:
@@ -265,8 +277,9 @@ class PieceResult:
 
 class Driver:
     def __init__(self, spec: SweepSpec, work_dir: str | Path, results: str | Path, budget_s: float = DEFAULT_BUDGET_S,
-                 command: str = "", progress: bool = True, roofline: bool = True):
+                 command: str = "", progress: bool = True, roofline: bool = True, since: str = ""):
         self.spec = spec
+        self.since = since  # points measured before this (ISO, UTC) count as not measured
         self.setting = spec.setting_obj
         self.work_dir = Path(work_dir).resolve()
         self.results = Path(results)
@@ -316,7 +329,7 @@ class Driver:
     # ---- one piece ---------------------------------------------------------------------------------
     def run_piece(self) -> PieceResult:
         points = expand(self.spec)
-        done = done_keys(self.results)
+        done = done_keys(self.results, self.since)
         pending = [(key, [p for p in group if point_key(p) not in done]) for key, group in groups(points)]
         pending = [(key, group) for key, group in pending if group]
         remaining = sum(len(g) for _, g in pending)

@@ -186,3 +186,30 @@ def test_a_piece_stopped_by_sigterm_stops_its_stack(tmp_path):
         time.sleep(0.1)
     assert [p for p in seen if alive(p)] == []
     assert not (tmp_path / "out" / "tiny-two.jsonl").exists()  # the cut point left no line
+
+
+def test_since_measures_again_what_was_measured_before_it(tmp_path):
+    from bench.driver import done_keys
+
+    spec = {"name": "again", "setting": "S2", "systems": ["loraplex"], "n": [5, 100], "rates": [40]}
+    spec_path = tmp_path / "again.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    keys = [point_key(p) for p in expand(SweepSpec.from_dict(spec))]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "again.jsonl").write_text(
+        json.dumps({"key": keys[0], "started_at": "2026-11-29T17:46:08+00:00"}) + "\n"
+        + json.dumps({"key": keys[1], "started_at": "2026-11-29T18:50:00+00:00"}) + "\n")
+    assert done_keys(out / "again.jsonl") == set(keys)
+    assert done_keys(out / "again.jsonl", since="2026-11-29T18:40") == {keys[1]}
+
+    def dry(*extra):
+        return subprocess.run([sys.executable, "-m", "shared.cli", "bench", "sweep", str(spec_path), "--dry-run",
+                               "--out-dir", str(out), *extra], cwd=REPO, env=child_env(), capture_output=True,
+                              text=True, timeout=120)
+
+    assert keys[0] not in dry().stdout
+    listed = dry("--since", "2026-11-29T18:40").stdout
+    assert keys[0] in listed and keys[1] not in listed
+    bad = dry("--since", "yesterday")
+    assert bad.returncode == 1 and "--since 'yesterday' is not an ISO time" in bad.stderr
