@@ -25,6 +25,7 @@ from pathlib import Path
 from bench import REPO, child_env
 from bench.adapters import DEFAULT_CONCURRENCY, Population, Registration, register
 from bench.settings import Setting
+from shared.config import EngineConfig
 from shared.probes import alive, descendants, free_port
 
 SYSTEMS = ("loraplex", "base-only", "peft", "merge", "bmm", "no-unify")
@@ -36,9 +37,10 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "fcfs": ("scheduler.first_token_slo_s=0", "scheduler.queue_order=fcfs"),
     "lcfs": ("scheduler.first_token_slo_s=0", "scheduler.queue_order=lcfs"),
 }
-# The engine's resident-adapter cap (EngineConfig.max_resident_adapters): the no-unify adapter part holds
-# as many adapters of the setting's largest rank, since a fixed partition must fit its worst case.
-NO_UNIFY_ADAPTERS = 128
+# The engine's resident-adapter cap (EngineConfig.max_resident_adapters, by default its running batch): the
+# no-unify adapter part holds as many adapters of the setting's largest rank, since a fixed partition must fit
+# its worst case.
+NO_UNIFY_ADAPTERS = EngineConfig().max_resident_adapters
 STOP_TIMEOUT_S = 60.0
 
 

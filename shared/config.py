@@ -25,7 +25,9 @@ class EngineConfig:
     num_slots: int = _doc("slots in the unified pool (KV tokens and adapter rows share them); 0 = size from pool_memory_fraction", 4096)
     pool_memory_fraction: float = _doc("fraction of free GPU memory for the pool when num_slots is 0", 0.85)
     max_lora_rank: int = _doc("largest adapter rank accepted", 256)
-    max_resident_adapters: int = _doc("adapters kept in the pool at once (resident table rows)", 128)
+    max_resident_adapters: int = _doc("adapters kept in the pool at once (resident table rows); 0 = as many as "
+                                      "max_running_requests, so a batch of requests each with its own adapter can run "
+                                      "whole", 0)
     max_running_requests: int = _doc("requests in the running batch at most", 256)
     max_batched_tokens: int = _doc("tokens per step at most (prefill chunks + decodes)", 2048)
     admission_batch: int = _doc("with a full running batch, admit waiting requests once this many places are free "
@@ -50,6 +52,11 @@ class EngineConfig:
                                    "the rest for KV, neither using the other's", 0)
 
     def __post_init__(self) -> None:
+        if self.max_resident_adapters == 0:
+            self.max_resident_adapters = self.max_running_requests
+        if self.max_resident_adapters < 0:
+            raise ValueError(f"max_resident_adapters must be >= 0 (0 = max_running_requests), got "
+                             f"{self.max_resident_adapters}")
         if self.lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode must be one of {', '.join(LORA_MODES)}, got {self.lora_mode!r}")
         if isinstance(self.adapter_pool_slots, bool) or not isinstance(self.adapter_pool_slots, int):

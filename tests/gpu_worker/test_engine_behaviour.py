@@ -190,3 +190,14 @@ def test_admission_batch_of_one_refills_every_step(model_dir):
 def test_admission_batch_must_be_a_positive_integer(value):
     with pytest.raises(ValueError, match="admission_batch must be an integer >= 1"):
         EngineConfig(admission_batch=value)
+
+
+def test_resident_adapters_default_to_the_running_batch(model_dir):
+    # A batch of requests each with its own adapter runs whole: a resident row for each.
+    assert EngineConfig().max_resident_adapters == EngineConfig().max_running_requests
+    assert EngineConfig(max_running_requests=12).max_resident_adapters == 12
+    assert EngineConfig(max_running_requests=12, max_resident_adapters=5).max_resident_adapters == 5
+    with pytest.raises(ValueError, match="max_resident_adapters must be >= 0"):
+        EngineConfig(max_resident_adapters=-1)
+    engine = engine_for(model_dir, max_running_requests=6)
+    assert engine.adapters.tables.ranks.shape[0] == 6
