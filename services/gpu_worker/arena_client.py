@@ -30,6 +30,9 @@ from .adapter_layout import PackedAdapter
 log = get_logger(__name__)
 # `ready` reads the store's socket at most this often (it is asked once per waiting request per step).
 READY_POLL_S = 0.001
+# How long a request waits before asking again for an adapter the arena had no room for (pins come back
+# as copies end, within a step or two).
+ARENA_FULL_RETRY_S = 0.2
 
 
 class AdapterUnavailable(ValueError):
@@ -220,6 +223,7 @@ class ArenaAdapterLoader:
         # What the store said (or failed to say in time) to an acquire `ready` started: the engine's next
         # load of that adapter raises it, so its request fails with the store's reason, without a second wait.
         self.failed: dict[str, Exception] = {}
+        self.retry_at: dict[str, float] = {}  # adapter -> when to ask again after the arena was full
         self._polled_at = float("-inf")
 
     def __call__(self, adapter: str) -> PackedAdapter:
@@ -242,6 +246,11 @@ class ArenaAdapterLoader:
             return True
         call_id = self.pending.get(adapter)
         if call_id is None:
+            # The arena was full a moment ago: asking at every step would only have the store read the
+            # adapter from disk again and again for nothing.
+            if self.clock() < self.retry_at.get(adapter, 0.0):
+                return False
+            self.retry_at.pop(adapter, None)
             self.prefetch(adapter)
             return False
         if call_id not in self.store.results:
@@ -263,9 +272,10 @@ class ArenaAdapterLoader:
         reply = self.store.results[call_id]
         if isinstance(reply, StoreError) and reply.code == "arena_full":
             # Every arena byte is pinned by adapters being read. Our unused prefetches may be among them:
-            # give them back, and ask again at the next step instead of failing the request.
+            # give them back, and ask again shortly instead of failing the request.
             del self.store.results[call_id]
             self._release_prefetched()
+            self.retry_at[adapter] = self.clock() + ARENA_FULL_RETRY_S
             return False
         try:
             self._pin(adapter, self.store.result(call_id))

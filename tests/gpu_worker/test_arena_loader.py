@@ -19,7 +19,7 @@ from services.gpu_worker.adapter_layout import pack_adapter
 from services.gpu_worker.arena_client import ArenaAdapterLoader, ArenaSegments, StoreClient
 from shared.adapter_format import load_adapter
 from shared.model_config import ModelConfig
-from shared.wire import DeleteAdapter, RegisterAdapter
+from shared.wire import AcquireAdapter, DeleteAdapter, RegisterAdapter
 from tests.adapter_store.conftest import REPO, RedisServer, StoreProcess, adapter_files
 
 
@@ -201,3 +201,42 @@ def test_an_acquire_the_store_never_answers_fails_its_request_after_the_timeout(
         loader.store.close()
         sink.close(0)
         ctx.term()
+
+
+def test_a_full_arena_makes_the_request_wait_and_ask_again_later(tmp_path, tiny_model_dir, tiny_adapter_dirs):
+    # An arena with room for one wide adapter, held by another worker: the loader's acquire is refused as
+    # arena_full; the request is not failed, the loader does not ask again at every step, and once the
+    # other worker lets go the adapter comes.
+    from services.gpu_worker.arena_client import ARENA_FULL_RETRY_S
+    from shared.wire import ReleaseAdapter
+
+    redis_server = RedisServer(tmp_path / "redis")
+    redis_server.start()
+    store = StoreProcess(redis_server.url, tmp_path / "data", tiny_model_dir, None, arena_bytes=512 * 1024)
+    store.start()
+    ctx = zmq.Context()
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    loader = ArenaAdapterLoader(StoreClient(ctx, store.address, "full-test", timeout_s=20), ArenaSegments(False),
+                                cfg.num_layers, cfg.kv_dim)
+    other = store.client()
+    try:
+        held, wanted = (register(store, tiny_adapter_dirs[3], name) for name in ("wide-held", "wide-wanted"))
+        other.call(AcquireAdapter(held, "other-worker"))  # 360 KiB of the 512 pinned elsewhere
+        deadline = time.monotonic() + 20
+        while wanted not in loader.retry_at:
+            assert loader.ready(wanted) is False and wanted not in loader.failed
+            assert time.monotonic() < deadline, "the store never answered"
+            time.sleep(0.01)
+        assert loader.ready(wanted) is False and wanted not in loader.pending  # not asked again at once
+        other.call(ReleaseAdapter(held, "other-worker"))
+        time.sleep(ARENA_FULL_RETRY_S)
+        while not loader.ready(wanted):
+            assert time.monotonic() < deadline, "the adapter never came once the arena had room"
+            time.sleep(0.01)
+        assert loader(wanted).rows.numel() > 0
+    finally:
+        other.close()
+        loader.store.close()
+        ctx.term()
+        store.stop()
+        redis_server.stop()
