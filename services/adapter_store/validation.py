@@ -68,6 +68,18 @@ def canonical_config(config_json: bytes) -> bytes:
         raise bad_request("invalid_adapter_config", f"{CONFIG_FILE} contains NaN or Infinity", "adapter_config") from None
 
 
+def _resolved_within(candidate: Path, root: Path, missing: StoreRefusal, outside: str) -> Path:
+    """`candidate` with every link followed, refused with `missing` when it does not exist and with `outside`
+    (an invalid_path message) when it leads out of `root`."""
+    try:
+        real = candidate.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise missing from None
+    if not real.is_relative_to(root):
+        raise bad_request("invalid_path", outside, "path")
+    return real
+
+
 def resolve_under_root(path: str, allowed_root: str) -> Path:
     """The real folder a client-given path names, refused unless it lies under the allowed root."""
     if not allowed_root:
@@ -78,12 +90,8 @@ def resolve_under_root(path: str, allowed_root: str) -> Path:
         raise bad_request("invalid_path", "path must not contain '..'", "path")
     root = Path(allowed_root).resolve(strict=True)
     candidate = Path(path) if Path(path).is_absolute() else root / path
-    try:
-        real = candidate.resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise bad_request("invalid_path", f"path {path!r} does not exist under the allowed root", "path") from None
-    if not real.is_relative_to(root):
-        raise bad_request("invalid_path", f"path {path!r} is outside the allowed root", "path")
+    missing = bad_request("invalid_path", f"path {path!r} does not exist under the allowed root", "path")
+    real = _resolved_within(candidate, root, missing, f"path {path!r} is outside the allowed root")
     if not real.is_dir():
         raise bad_request("invalid_path", f"path {path!r} is not a folder", "path")
     return real
@@ -111,13 +119,9 @@ def read_adapter_dir(folder: Path, root: str, limit: int,
 
 
 def _read_under_root(folder: Path, fname: str, real_root: Path, budget: int, limit: int, hasher) -> bytearray:
-    p = folder / fname
-    try:
-        real = p.resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise bad_request("invalid_adapter", f"{fname} is missing from the adapter folder", "path") from None
-    if not real.is_relative_to(real_root):
-        raise bad_request("invalid_path", f"{fname} links outside the allowed root", "path")
+    real = _resolved_within(folder / fname, real_root,
+                            bad_request("invalid_adapter", f"{fname} is missing from the adapter folder", "path"),
+                            f"{fname} links outside the allowed root")
     too_large = StoreRefusal(413, "adapter_too_large", f"adapter files exceed the limit of {limit} bytes", "path")
     # O_NOFOLLOW: the file cannot be swapped for a symlink between the check above and the open.
     # O_NONBLOCK: a FIFO put in the file's place is refused below instead of holding a registration thread
