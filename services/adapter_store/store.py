@@ -262,12 +262,19 @@ class AdapterStore:
         return Offloaded(lambda: self.prepare_load(aid), lambda packed: self._finish_acquire(msg, packed), pool="load")
 
     def _finish_acquire(self, msg: AcquireAdapter, packed) -> AdapterLocation:
-        aid = msg.adapter
-        if self.arena.get(aid) is None:  # not laid in by another acquire of it that finished first
-            if self.registry.by_id(aid) is None:  # deleted while it was being read
-                raise not_found(aid, "adapter")
-            self._put(aid, packed)
+        if not self._lay_in(msg.adapter, packed):
+            raise not_found(msg.adapter, "adapter")
         return self._pin_for(msg)
+
+    def _lay_in(self, aid: str, packed, keep: frozenset[str] = frozenset()) -> bool:
+        """Lay rows read on the load threads into the arena, unless another load of the same adapter got
+        there first; False when the adapter was deleted while they were being read."""
+        if aid in self.arena:
+            return True
+        if self.registry.by_id(aid) is None:
+            return False
+        self._put(aid, packed, keep)
+        return True
 
     def _pin_for(self, msg: AcquireAdapter) -> AdapterLocation:
         entry = self.arena.acquire(msg.adapter, msg.worker_id)
@@ -358,10 +365,8 @@ class AdapterStore:
         return None
 
     def _finish_warm(self, aid: str, keep: frozenset[str], packed) -> None:
-        if aid in self.arena or self.registry.by_id(aid) is None:  # acquired meanwhile, or deleted
-            return
         try:
-            self._put(aid, packed, keep)
+            self._lay_in(aid, packed, keep)
         except StoreRefusal as e:  # arena full of more urgent adapters: the rest of the hint waits
             log.info("warm_skipped", adapter=aid, code=e.code, reason=e.message)
             self.warm_queue.clear()
