@@ -37,7 +37,12 @@ ARENA_FULL_RETRY_S = 0.2
 
 class AdapterUnavailable(ValueError):
     """The store could not hand out an adapter (down, timed out, arena full). The engine fails the request
-    that needed it with this message; it is a ValueError so the engine treats it like any bad adapter."""
+    that needed it with this message; it is a ValueError so the engine treats it like any bad adapter.
+    `code` is the store's error code when it answered (e.g. arena_full, which passes)."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
 
 
 class ArenaSegments:
@@ -187,7 +192,7 @@ class StoreClient:
         if isinstance(reply, StoreError):
             if reply.status == 404:
                 raise KeyError(reply.message)
-            raise AdapterUnavailable(reply.message)
+            raise AdapterUnavailable(reply.message, reply.code)
         raise AdapterUnavailable(f"unexpected reply {type(reply).__name__} to AcquireAdapter")
 
     def release(self, adapter: str) -> None:
@@ -268,22 +273,27 @@ class ArenaAdapterLoader:
             self.store.poll(0.0)
             if call_id not in self.store.results:
                 return False
-        self._forget_pending(adapter)
-        reply = self.store.results[call_id]
-        if isinstance(reply, StoreError) and reply.code == "arena_full":
+        error = self._settle(adapter, call_id)
+        if getattr(error, "code", "") == "arena_full":
             # Every arena byte is pinned by adapters being read. Our unused prefetches may be among them:
             # give them back, and ask again shortly instead of failing the request.
-            del self.store.results[call_id]
             self._release_prefetched()
             self.retry_at[adapter] = self.clock() + ARENA_FULL_RETRY_S
             return False
+        if error is not None:
+            self.failed[adapter] = error  # the engine's load raises it: the request fails with this reason
+        return True
+
+    def _settle(self, adapter: str, call_id: str) -> Exception | None:
+        """Take the store's answer to a started acquire: the adapter pinned and held as a prefetch until the
+        engine takes it or its grace period lapses, or why it could not be."""
+        self._forget_pending(adapter)
         try:
             self._pin(adapter, self.store.result(call_id))
         except (KeyError, ValueError) as e:
-            self.failed[adapter] = e  # the engine's load raises it: the request fails with this reason
-            return True
-        self.prefetched[adapter] = self.clock() + self.prefetch_ttl_s  # held until the engine takes it
-        return True
+            return e
+        self.prefetched[adapter] = self.clock() + self.prefetch_ttl_s
+        return None
 
     def _release_prefetched(self) -> None:
         for adapter in list(self.prefetched):
@@ -310,13 +320,10 @@ class ArenaAdapterLoader:
         for adapter, call_id in list(self.pending.items()):
             if call_id not in self.store.results:
                 continue
-            self._forget_pending(adapter)
-            try:
-                self._pin(adapter, self.store.result(call_id))
-            except (KeyError, ValueError) as e:
-                log.info("worker.prefetch_failed", adapter=adapter, error=str(e))
+            error = self._settle(adapter, call_id)
+            if error is not None:
+                log.info("worker.prefetch_failed", adapter=adapter, error=str(error))
                 continue
-            self.prefetched[adapter] = self.clock() + self.prefetch_ttl_s
             ready.append(adapter)
         return ready
 
