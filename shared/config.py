@@ -37,8 +37,8 @@ class EngineConfig:
     seed: int = _doc("seed for dummy weights", 0)
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
     overlap_steps: bool = _doc("launch the next decode step before the last step's tokens reach the host (greedy "
-                               "batches with nothing to admit), so host work hides behind the GPU; off until its "
-                               "speed is proven on a GPU (docs/benchmarks.md)", False)
+                               "batches with nothing to admit), so host work hides behind the GPU; off: measured 19% "
+                               "slower at saturation on an H200 (docs/benchmarks.md)", False)
     cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)
     cuda_graph_warmup_s: float = _doc("seconds a CUDA worker spends capturing decode graphs (every batch, rank and "
                                       "context bucket up to cuda_graph_max_context) before it reports ready; the "

@@ -108,14 +108,14 @@ class DecodeGraphs:
             out.append(self._context_bucket(out[-1] + 1))
         return tuple(out)
 
-    def capture_all(self, max_context: int, deadline: float, clock=time.monotonic) -> int:
+    def capture_all(self, max_context: int, deadline: float) -> int:
         """Capture the graphs of every (batch, rank, context) bucket for contexts up to `max_context` before
         traffic, as far as `deadline` allows (the rest are captured on first use). A graph first seen under
         load costs its capture and the kernel compiles of its shapes, about a second each, in a step every
         running request waits for. Returns how many graphs were captured."""
         done = 0
         for key in capture_plan(self.batch_buckets, self.rank_buckets, self.context_buckets(max_context)):
-            if clock() >= deadline:
+            if time.monotonic() >= deadline:
                 break
             if key not in self.graphs:
                 self._graph(*key)

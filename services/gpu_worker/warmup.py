@@ -87,8 +87,8 @@ def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0) -> float:
 
 
 def capture_graphs(engine) -> int:
-    """Decode graphs captured ahead of traffic, within the engine's cuda_graph_warmup_s. A capture that
-    fails (e.g. out of memory) ends this early and is logged; those shapes are then captured on first use."""
+    """How many decode graphs are captured ahead of traffic, within the engine's cuda_graph_warmup_s. A
+    capture that fails (e.g. out of memory) ends this early and is logged; the rest are captured on first use."""
     graphs = getattr(engine, "graphs", None)
     config = engine.config
     if graphs is None or config.cuda_graph_warmup_s <= 0:
@@ -96,10 +96,10 @@ def capture_graphs(engine) -> int:
     max_context = min(config.cuda_graph_max_context or engine.max_model_len, engine.max_model_len)
     started = time.monotonic()
     try:
-        count = graphs.capture_all(max_context, deadline=started + config.cuda_graph_warmup_s)
+        graphs.capture_all(max_context, deadline=started + config.cuda_graph_warmup_s)
     except Exception as e:  # noqa: BLE001 (out of memory, say: an optimisation failing must not stop the worker)
         log.warning("worker.graph_capture_stopped", error=str(e)[:300], captured=len(graphs.graphs))
         return len(graphs.graphs)
-    log.info("worker.graphs_captured", graphs=count, seconds=round(time.monotonic() - started, 2),
+    log.info("worker.graphs_captured", graphs=len(graphs.graphs), seconds=round(time.monotonic() - started, 2),
              max_context=max_context)
-    return count
+    return len(graphs.graphs)
