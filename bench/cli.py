@@ -168,15 +168,15 @@ def cmd_run(args, argv) -> int:
 def _run_against(driver, url: str) -> int:
     """One point against a server someone else started: adapter i is `adapter-0000i`, None the base."""
     from bench.adapters import adapter_name
-    from bench.driver import append_line, expand, measure_ceilings_apart, point_key, pool_total_slots, summary
+    from bench.driver import (
+        append_line, expand, measure_ceilings_apart, point_key, point_model_for, pool_total_slots, summary,
+    )
     from bench.point import run_point
     from bench.stack import base_model
 
     p = expand(driver.spec)[0]
     base = base_model(url, driver.setting.model)
-
-    def model_for(r):
-        return base if r.adapter is None or p.system == "base-only" else adapter_name(r.adapter)
+    model_for = point_model_for(p, base, lambda r: base if r.adapter is None else adapter_name(r.adapter))
 
     ceilings = measure_ceilings_apart(driver.spec.device)
     line = run_point(url, p, model_for, driver.setting.vocab_size, command=driver.command)

@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -320,7 +321,7 @@ class Driver:
     def stack_config(self, system: str, n: int, policy: str, population) -> StackConfig:
         s = self.spec
         return StackConfig(setting=self.setting, system=system, work_dir=self.work_dir, population=population,
-                           n_adapters=n if system != "base-only" else 0, policy=policy,
+                           n_adapters=n, policy=policy,
                            arena_bytes=int(s.arena_gb * 2**30), device=s.device, num_slots=s.num_slots,
                            no_unify_adapters=s.no_unify_adapters, extra_set=tuple(s.set),
                            ready_timeout_s=s.ready_timeout_s, register_concurrency=s.register_concurrency,
@@ -426,7 +427,7 @@ class Driver:
 
         spec = dataclasses.replace(first, duration_s=self.spec.stack_warmup_s, warmup_s=0.0, seed=first.seed + 1)
         note(f"  warm-up: {spec.duration_s:g} s of traffic at {spec.req_rate:g} req/s, not measured")
-        run_point(stack.url, spec, point_model_for(stack, first), self.setting.vocab_size, command=self.command,
+        run_point(stack.url, spec, point_model_for(first, stack.base_model, stack.model_for), self.setting.vocab_size, command=self.command,
                   request_timeout_s=self.spec.own(first.system, "request_timeout_s"), progress=self.progress)
 
     def run_one(self, stack: Stack, p, ceilings: dict | None, pool_slots: int, info: dict, population) -> dict:
@@ -435,7 +436,7 @@ class Driver:
         t0 = time.monotonic()
         records = self.work_dir / "records" / self.spec.name / (point_key(p).replace("/", "_") + ".jsonl")
         cpu = ServiceCpu(stack)
-        line = run_point(stack.url, p, point_model_for(stack, p), self.setting.vocab_size, command=self.command,
+        line = run_point(stack.url, p, point_model_for(p, stack.base_model, stack.model_for), self.setting.vocab_size, command=self.command,
                          request_timeout_s=self.spec.own(p.system, "request_timeout_s"), progress=self.progress,
                          records_path=records)
         wall = time.monotonic() - t0
@@ -464,11 +465,10 @@ class Driver:
                 "roofline_fraction": throughput / rps if throughput is not None else None}
 
 
-def point_model_for(stack: Stack, p):
-    """The `model` of each of point `p`'s requests on `stack` (base-only points send all to the base model)."""
-    if p.system == "base-only":
-        return lambda request: stack.base_model
-    return stack.model_for
+def point_model_for(p, base_model: str, model_for: Callable) -> Callable:
+    """The `model` of each of point `p`'s requests: `model_for`'s choice (its adapter, or the base model),
+    or the base model for every request of a base-only point."""
+    return (lambda request: base_model) if p.system == "base-only" else model_for
 
 
 class ServiceCpu:

@@ -2,7 +2,8 @@
 
 Systems (BENCHMARKS.md "Baselines"), each the same trace against the same GPU:
 - loraplex   `loraplex up` as shipped (unified pool, Triton kernels)
-- base-only  the same stack, every request sent to the base model (the upper bound for LoRA's cost)
+- base-only  a loraplex stack, every request sent to the base model (the upper bound for LoRA's cost;
+             bench.driver runs its points on the loraplex stack of the same sweep)
 - bmm        `--set worker.lora_mode=bmm`: adapters copied to contiguous buffers padded to the max rank
 - merge      `--set worker.lora_mode=merge`: one adapter per batch, merged into the weights and undone
 - no-unify   `--set worker.adapter_pool_slots=N`: the same pool split into fixed adapter and KV parts
@@ -106,9 +107,12 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         check_system(self.system)
+        if self.system == "base-only":
+            raise ValueError("base-only runs on a loraplex stack, its requests all sent to the base model "
+                             "(bench.driver.stack_system, point_model_for)")
         check_policy(self.policy)
         self.work_dir = Path(self.work_dir).resolve()
-        if self.n_adapters and self.population is None and self.system != "base-only":
+        if self.n_adapters and self.population is None:
             raise ValueError(f"{self.n_adapters} adapters asked for but no adapter population given")
         if self.population is not None and self.n_adapters > len(self.population.names):
             raise ValueError(f"{self.n_adapters} adapters asked for; the population has {len(self.population.names)}")
@@ -207,8 +211,8 @@ class Stack:
         return view
 
     def model_for(self, request) -> str:
-        """The `model` of a trace request: its adapter's name, or the base model (base-only: always)."""
-        if request.adapter is None or self.config.system == "base-only":
+        """The `model` of a trace request: its adapter's name, or the base model."""
+        if request.adapter is None:
             return self.base_model
         return self.names[request.adapter]
 
@@ -229,7 +233,7 @@ class Stack:
             self._wait_ready(started)
             self.base_model = base_model(self.url, self.config.setting.model)
             self.startup_s = time.monotonic() - started
-            if c.system not in ("peft", "base-only") and self.names:
+            if c.system != "peft" and self.names:
                 self.registration = register(self.url, c.population.root, self.names,
                                              concurrency=c.register_concurrency, progress=c.progress,
                                              deadline=registration_deadline)

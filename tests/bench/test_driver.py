@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from bench import REPO, child_env
-from bench.driver import Driver, SweepSpec, expand, groups, point_key
+from bench.driver import Driver, SweepSpec, expand, groups, point_key, point_model_for
 
 
 TWO_POINTS = {
@@ -213,3 +213,15 @@ def test_since_measures_again_what_was_measured_before_it(tmp_path):
     assert keys[0] in listed and keys[1] not in listed
     bad = dry("--since", "yesterday")
     assert bad.returncode == 1 and "--since 'yesterday' is not an ISO time" in bad.stderr
+
+
+def test_base_only_points_send_every_request_to_the_base_model():
+    from bench.workload import TraceRequest
+
+    spec = SweepSpec.from_dict({"name": "x", "setting": "S2", "systems": ["loraplex", "base-only"], "n": [5],
+                                "rates": [40]})
+    lora, base_only = expand(spec)
+    by_adapter = lambda r: "base" if r.adapter is None else f"a{r.adapter}"  # noqa: E731
+    requests = [TraceRequest(0, 0.0, None, 8, 8), TraceRequest(1, 0.1, 3, 8, 8)]
+    assert [point_model_for(lora, "base", by_adapter)(r) for r in requests] == ["base", "a3"]
+    assert [point_model_for(base_only, "base", by_adapter)(r) for r in requests] == ["base", "base"]

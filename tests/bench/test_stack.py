@@ -75,9 +75,8 @@ def test_stack_serves_its_system_and_policy_then_stops_leaving_nothing(populatio
 
 def test_a_killed_launcher_leaves_no_orphans_after_stop(population):
     work, pop = population
-    stack = tiny_stack(work, pop, n=3, system="base-only").start()
-    assert stack.registration is None  # base-only sends everything to the base model: nothing to register
-    assert stack.model_for(request(1)) == TINY.model
+    stack = tiny_stack(work, pop, n=0).start()
+    assert stack.registration is None  # no adapters asked for: nothing to register
     pids = [stack.proc.pid, *descendants(stack.proc.pid)]
     os.kill(stack.proc.pid, signal.SIGKILL)  # as a crashed launcher: no drain, no cleanup of its own
     stack.stop()
@@ -126,6 +125,8 @@ def test_bad_configurations_are_refused(population, tmp_path):
     work, pop = population
     with pytest.raises(ValueError, match="unknown system"):
         StackConfig(TINY, "vllm", tmp_path)
+    with pytest.raises(ValueError, match="base-only runs on a loraplex stack"):
+        StackConfig(TINY, "base-only", tmp_path)
     with pytest.raises(ValueError, match="unknown admission policy"):
         StackConfig(TINY, "loraplex", tmp_path, policy="random")
     with pytest.raises(ValueError, match="population has 3"):
