@@ -11,13 +11,14 @@ A piece (`run_piece`) plans, from estimates, which of the points still missing f
 only if its startup, one point and its stop fit, a further point only if it fits. Estimates are the spec's,
 raised to the longest this host has taken so far (timings.json in the work dir), so a piece's share does not
 depend on how fast it happens to run; while running, a point after the first of a stack is also skipped if
-the clock says it would overrun. A fresh stack can first get `stack_warmup_s` of its first point's traffic, not measured (kernels compiled
-and graphs captured for the shapes the points see, adapters in the host cache). The first point after a
-start always runs: a start slower than estimated
-must not leave every piece starting a stack and measuring nothing. Adapter generation and registration stop
-at the budget too and continue in the next piece (the stack's Redis keeps what was registered). Running the
-same command again resumes; a point already in the results file is never run again. Exit status of the
-command: 0 when every point is in the file, 3 when more pieces are needed.
+the clock says it would overrun. A fresh stack can first get `stack_warmup_s` of its first point's
+traffic, not measured (adapters into the host cache, shapes the points will see). The first point after a
+start always runs: a start slower than estimated must not leave every piece starting a stack and measuring
+nothing. Adapter generation and registration stop at the budget too and continue in the next piece (the
+stack's Redis keeps what was registered). Running the same command again resumes; a point already in the
+results file is never run again (`--since` makes older lines count as not measured). Exit status of the
+command: 0 when every point is in the file, 3 when more pieces are needed. Base-only points run on their
+sweep's loraplex stack (`stack_system`).
 
 The work dir (default data/bench, git-ignored) is shared by every sweep: models/ (config and tokenizer per
 base), adapters/<setting>-s<seed>/ (one population per setting and seed), data/<setting>-s<seed>/ (the
