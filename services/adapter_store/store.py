@@ -302,10 +302,6 @@ class AdapterStore:
                 self._finish_delete_if_unpinned(aid)
         return Ack(msg.call_id) if msg.call_id else None
 
-    def load(self, aid: str, keep: frozenset[str] = frozenset()) -> None:
-        """Read an adapter's blob, check it and lay its rows into the arena."""
-        self._put(aid, self.prepare_load(aid), keep)
-
     def prepare_load(self, aid: str):
         """An adapter's rows in the arena's format, from its stored blob, checked again (the blob is read
         from disk). Touches no arena state: it runs on the pool."""
@@ -330,33 +326,35 @@ class AdapterStore:
             raise StoreRefusal(507, "arena_full", str(e), "adapter") from None
         log.info("adapter_loaded", adapter=aid, bytes=packed.nbytes)
 
-    def warm(self, msg: WarmAdapters) -> Ack | None:
-        """With a call_id: load now and answer; without: queue, loaded while the store is idle.
-        Hints are in priority order; a load never evicts a more urgent hinted adapter."""
-        plan = [(aid, frozenset(msg.adapters[:i])) for i, aid in enumerate(msg.adapters)]
-        if msg.call_id:
+    def warm(self, msg: WarmAdapters) -> Offloaded | None:
+        """Hints in priority order; a load never evicts a more urgent hinted adapter. Without a call_id they
+        are queued and loaded one at a time while the store is idle (a newer hint supersedes the previous
+        one); with one, they are read on the load threads and laid in, and the Ack comes when that is done.
+        Either way the disk reads stay off the loop."""
+        plan = [(aid, frozenset(msg.adapters[:i])) for i, aid in enumerate(msg.adapters) if aid not in self.arena]
+        if not msg.call_id:
+            self.warm_queue = deque(plan)
+            return None
+
+        def read_all() -> list:
+            read = []
             for aid, keep in plan:
-                if not self._warm_one(aid, keep):
+                try:
+                    read.append((aid, keep, self.prepare_load(aid)))
+                except StoreRefusal as e:  # deleted or unreadable meanwhile: a hint, the others still count
+                    log.info("warm_skipped", adapter=aid, code=e.code, reason=e.message)
+            return read
+
+        def lay_in_all(read: list) -> Ack:
+            for aid, keep, packed in read:
+                if not self._warm_in(aid, keep, packed):
                     break
             return Ack(msg.call_id)
-        # A newer hint supersedes the previous one.
-        self.warm_queue = deque((aid, keep) for aid, keep in plan if aid not in self.arena)
-        return None
 
-    def _warm_one(self, aid: str, keep: frozenset[str]) -> bool:
-        """Load one hinted adapter; False when the arena has no room left for it (stop warming)."""
-        if aid in self.arena:
-            return True
-        try:
-            self.load(aid, keep=keep)
-        except StoreRefusal as e:
-            log.info("warm_skipped", adapter=aid, code=e.code, reason=e.message)
-            return e.code != "arena_full"
-        return True
+        return Offloaded(read_all, lay_in_all, pool="load")
 
     def next_warm(self) -> Offloaded | None:
-        """The next queued hint not yet in the arena, as work for the load threads (reading a large adapter
-        takes long enough that the loop must not do it), or None when none is left."""
+        """The next queued hint not yet in the arena, as work for the load threads, or None when none is left."""
         while self.warm_queue:
             aid, keep = self.warm_queue.popleft()
             if aid not in self.arena:
@@ -365,8 +363,14 @@ class AdapterStore:
         return None
 
     def _finish_warm(self, aid: str, keep: frozenset[str], packed) -> None:
+        if not self._warm_in(aid, keep, packed):
+            self.warm_queue.clear()  # the arena is full of more urgent adapters: the rest of the hint waits
+
+    def _warm_in(self, aid: str, keep: frozenset[str], packed) -> bool:
+        """Lay a hinted adapter's rows in; False when the arena has no room left (stop warming)."""
         try:
             self._lay_in(aid, packed, keep)
-        except StoreRefusal as e:  # arena full of more urgent adapters: the rest of the hint waits
+        except StoreRefusal as e:
             log.info("warm_skipped", adapter=aid, code=e.code, reason=e.message)
-            self.warm_queue.clear()
+            return e.code != "arena_full"
+        return True
