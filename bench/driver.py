@@ -428,7 +428,8 @@ class Driver:
 
         spec = dataclasses.replace(first, duration_s=self.spec.stack_warmup_s, warmup_s=0.0, seed=first.seed + 1)
         note(f"  warm-up: {spec.duration_s:g} s of traffic at {spec.req_rate:g} req/s, not measured")
-        run_point(stack.url, spec, point_model_for(first, stack.base_model, stack.model_for), self.setting.vocab_size, command=self.command,
+        model_for = point_model_for(first, stack.base_model, stack.model_for)
+        run_point(stack.url, spec, model_for, self.setting.vocab_size, command=self.command,
                   request_timeout_s=self.spec.own(first.system, "request_timeout_s"), progress=self.progress)
 
     def run_one(self, stack: Stack, p, ceilings: dict | None, pool_slots: int, info: dict, population) -> dict:
@@ -437,7 +438,8 @@ class Driver:
         t0 = time.monotonic()
         records = self.work_dir / "records" / self.spec.name / (point_key(p).replace("/", "_") + ".jsonl")
         cpu = ServiceCpu(stack)
-        line = run_point(stack.url, p, point_model_for(p, stack.base_model, stack.model_for), self.setting.vocab_size, command=self.command,
+        model_for = point_model_for(p, stack.base_model, stack.model_for)
+        line = run_point(stack.url, p, model_for, self.setting.vocab_size, command=self.command,
                          request_timeout_s=self.spec.own(p.system, "request_timeout_s"), progress=self.progress,
                          records_path=records)
         wall = time.monotonic() - t0

@@ -1,5 +1,6 @@
 """Looking at a running stack from outside it: free ports, the process tree under a supervisor, a process's
-memory and CPU time, and one sample of a Prometheus exposition. The launcher, the soak script and the tests use these."""
+memory and CPU time, and one sample of a Prometheus exposition. The launcher, the soak script, the bench
+driver and the tests use these."""
 from __future__ import annotations
 
 import os

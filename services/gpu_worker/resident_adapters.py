@@ -41,7 +41,8 @@ class AdapterTooLarge(ValueError):
 
 class ResidentAdapters:
     def __init__(self, pool: UnifiedPool, cfg: ModelConfig, max_resident: int, max_rank: int,
-                 loader: Callable[[str], PackedAdapter], copy_rows: Callable[[torch.Tensor, PackedAdapter], object] | None = None):
+                 loader: Callable[[str], PackedAdapter],
+                 copy_rows: Callable[[torch.Tensor, PackedAdapter], object] | None = None):
         self.pool = pool
         self.loader = loader
         # Default copy is a synchronous scatter; the CUDA path passes one that stages on a side stream.
