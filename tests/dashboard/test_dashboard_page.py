@@ -27,21 +27,29 @@ def wait_until(check, timeout_s: float, what: str):
     raise AssertionError(f"{what} within {timeout_s}s; last mismatch: {last}")
 
 
-def rate_line_top(page, canvas_id: str) -> int:
-    """How far above the chart's floor its line reaches, in pixels (0: a flat line at zero or no line)."""
-    return page.evaluate("""(id) => {
+# The charts' plot area ends this many CSS pixels above the canvas bottom (charts.js PAD.bottom): the zero line.
+CHART_PAD_BOTTOM = 22
+
+
+def newest_rate_height(page, canvas_id: str) -> int:
+    """How far above the zero line the chart line's newest point (its rightmost end) is, in canvas pixels
+    (0: no line, or the newest rate is zero). The chart covers minutes, so earlier tests' traffic may still
+    be on it; its newest point is this moment's rate."""
+    return page.evaluate("""([id, padBottom]) => {
         const canvas = document.getElementById(id), ctx = canvas.getContext('2d');
         const { width, height } = canvas, data = ctx.getImageData(0, 0, width, height).data;
-        let top = height, bottom = 0;
-        for (let y = 0; y < height; y++) for (let x = 0; x < width; x++) {
-            const i = 4 * (y * width + x);
-            // the series colours: saturated, unlike the grey grid and labels
-            if (Math.max(data[i], data[i + 1], data[i + 2]) - Math.min(data[i], data[i + 1], data[i + 2]) > 90 && data[i + 3] > 200) {
-                top = Math.min(top, y); bottom = Math.max(bottom, y);
+        const zero = Math.round(height - padBottom * height / canvas.clientHeight);
+        for (let x = width - 1; x >= 0; x--) {
+            for (let y = 0; y < height; y++) {
+                const i = 4 * (y * width + x);
+                // the series colours: saturated, unlike the grey grid and labels
+                if (Math.max(data[i], data[i + 1], data[i + 2]) - Math.min(data[i], data[i + 1], data[i + 2]) > 90 && data[i + 3] > 200) {
+                    return Math.max(0, zero - y);
+                }
             }
         }
-        return bottom > top ? bottom - top : 0;
-    }""", canvas_id)
+        return 0;
+    }""", [canvas_id, CHART_PAD_BOTTOM])
 
 
 def page_matches_metrics(page, stack, sent_to_model: int):
@@ -76,13 +84,12 @@ def test_dashboard_follows_traffic_and_matches_metrics(stack, page):
     assert page.locator("#ready-text").inner_text() == "ready"
     assert page.locator("#workers tr[data-worker='worker-0'] [data-field='health']").inner_text() == "healthy"
     before = number(page, "#total-requests")
-    flat = rate_line_top(page, "chart-requests")
 
     with Traffic(stack, [TRAFFIC_MODEL, "model", "demo-000"], threads=4) as traffic:
         wait_until(lambda: number(page, "#total-requests") >= before + 8 or "no change yet", 30,
                    "the request total on the page grew with the traffic")
         wait_until(lambda: number(page, "#tile-rps") > 0 or "rate still 0", 15, "the request rate rose")
-        wait_until(lambda: rate_line_top(page, "chart-requests") > flat + 10 or "flat", 15,
+        wait_until(lambda: newest_rate_height(page, "chart-requests") > 10 or "flat", 15,
                    "the request-rate chart drew the traffic")
         page.wait_for_selector(f"#tier-gpu-list li[data-adapter^='{TRAFFIC_MODEL}@']")
         with stack.client() as c:

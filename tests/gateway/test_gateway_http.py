@@ -190,16 +190,21 @@ def test_models_list_base_and_adapters_with_residency(gateway, peers):
     assert by_id["on-gpu"]["target_modules"] == ["q_proj", "v_proj"]
 
 
+def last_registration(peers) -> RegisterAdapter:
+    """The store's last RegisterAdapter (the gateway's periodic pings arrive among the calls)."""
+    return [c for c in peers.store_calls if isinstance(c, RegisterAdapter)][-1]
+
+
 def test_adapter_management_routes(gateway, peers):
     files = {"adapter_config": ("adapter_config.json", b'{"r": 8}'), "adapter_model": ("adapter_model.safetensors", b"\x00" * 1000)}
     r = httpx.post(gateway.url + "/v1/adapters", data={"name": "new-one"}, files=files)
     assert r.status_code == 201, r.text
     assert r.json()["name"] == "new-one" and r.json()["residency"] == "disk"
-    sent = peers.store_calls[-1]
+    sent = last_registration(peers)
     assert (sent.name, sent.config_json, sent.model_safetensors) == ("new-one", b'{"r": 8}', b"\x00" * 1000)
     assert httpx.post(gateway.url + "/v1/adapters", data={"name": "new-one"}, files=files).status_code == 200
     r = httpx.post(gateway.url + "/v1/adapters", json={"name": "from-path", "path": "/srv/adapters/x"})
-    assert r.status_code == 201 and peers.store_calls[-1].path == "/srv/adapters/x"
+    assert r.status_code == 201 and last_registration(peers).path == "/srv/adapters/x"
     assert [a["name"] for a in httpx.get(gateway.url + "/v1/adapters").json()["data"]] == ["new-one", "from-path"]
     assert httpx.get(gateway.url + "/v1/adapters/from-path").json()["id"] == "from-path@0123456789abcdef"
     assert httpx.delete(gateway.url + "/v1/adapters/from-path").status_code == 204
@@ -212,7 +217,7 @@ def test_adapter_management_routes(gateway, peers):
 def test_vllm_aliases(gateway, peers):
     r = httpx.post(gateway.url + "/v1/load_lora_adapter", json={"lora_name": "v", "lora_path": "/srv/v"})
     assert r.status_code == 200 and "added" in r.text
-    assert peers.store_calls[-1].path == "/srv/v"
+    assert last_registration(peers).path == "/srv/v"
     assert httpx.post(gateway.url + "/v1/unload_lora_adapter", json={"lora_name": "v"}).status_code == 200
     assert httpx.post(gateway.url + "/v1/unload_lora_adapter", json={"lora_name": "v"}).status_code == 404
 
