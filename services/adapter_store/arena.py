@@ -2,9 +2,12 @@
 
 Each adapter's PackedAdapter rows are one contiguous byte range, so a worker moves it to the GPU in one
 copy (see ARCHITECTURE.md: many small copies are slow). The segment's size comes from configuration,
-never from the machine. Adapters are kept least-recently-used first by bytes; an acquired (pinned)
-adapter is never moved or evicted, because a worker may be reading its bytes. When free space is
-fragmented, unpinned adapters are slid down first (compaction) so that cached adapters survive.
+never from the machine. An acquired (pinned) adapter is never moved or evicted, because a worker may be
+reading its bytes. Adapters are evicted least recently used first, as whole address windows: when no
+hole is large enough, the store frees the window (free bytes and unpinned adapters next to each other)
+whose most recently used adapter is the oldest. Nothing is ever moved: sliding adapters together to
+join the holes would copy up to the whole arena on the store's loop, seconds during which it answers
+nobody (adapters of four ranks fragment a full arena all the time).
 """
 from __future__ import annotations
 
@@ -120,35 +123,53 @@ class Arena:
         need = align_up(max(nbytes, 1), ARENA_ALIGN)
         if need > self.capacity:
             raise ArenaTooSmall(f"adapter needs {need} bytes; the arena holds {self.capacity}")
-        compacted = False
-        while True:
-            offset = self.ranges.allocate(nbytes)
-            if offset is not None:
-                return offset
-            # Once per eviction at most: pinned adapters stay put, so compaction may leave the free bytes
-            # split around them, and compacting again would change nothing (the loop would never end).
-            if self.ranges.free_bytes >= need and not compacted:
-                self.compact()
-                compacted = True
-                continue
-            victim = next((e for e in self._lru.values() if not e.pinned and e.adapter not in keep), None)
-            if victim is None:
-                raise ArenaFull(f"adapter needs {need} bytes; {self.ranges.free_bytes} free and "
-                                f"{self.pinned_bytes} pinned by running requests")
+        offset = self.ranges.allocate(nbytes)
+        if offset is not None:
+            return offset
+        victims = self._oldest_window(need, keep)
+        if victims is None:
+            raise ArenaFull(f"adapter needs {need} bytes; {self.ranges.free_bytes} free and "
+                            f"{self.pinned_bytes} pinned by running requests")
+        for victim in victims:
             self._remove(victim)
             self.evictions += 1
-            compacted = False
+        offset = self.ranges.allocate(nbytes)
+        assert offset is not None, "the freed window holds the adapter"
+        return offset
 
-    def compact(self) -> None:
-        """Slide unpinned adapters toward the start so free space becomes contiguous; pinned ones stay."""
-        cursor = 0
-        for entry in sorted(self._lru.values(), key=lambda e: e.offset):
-            if not entry.pinned and entry.offset > cursor:
-                # numpy copes with the overlap of source and destination.
-                self._bytes[cursor:cursor + entry.nbytes] = self._bytes[entry.offset:entry.offset + entry.nbytes]
-                entry.offset = cursor
-            cursor = entry.offset + align_up(entry.nbytes, ARENA_ALIGN)
-        self.ranges.reset([(e.offset, e.nbytes) for e in self._lru.values()])
+    def _oldest_window(self, need: int, keep: frozenset[str]) -> list[ArenaEntry] | None:
+        """The adapters to evict so that `need` contiguous bytes come free: of every run of neighbouring
+        free ranges and evictable adapters that spans `need`, the one whose most recently used adapter is
+        least recent (fewest bytes evicted among equals); None when pins and `keep` leave no such run.
+        With adapters of one size this is plain LRU. Linear in the adapters per window tried: an arena
+        holds a few thousand, and this runs once per load that finds no hole."""
+        recency = {aid: i for i, aid in enumerate(self._lru)}
+        # The address space in order: (start, end, entry or None for a free range).
+        spans = [(e.offset, e.offset + align_up(e.nbytes, ARENA_ALIGN), e) for e in self._lru.values()]
+        spans += [(start, start + size, None) for start, size in self.ranges.free_ranges()]
+        spans.sort(key=lambda s: s[0])
+        best: tuple[tuple[int, int], int, int] | None = None  # ((newest rank, evicted bytes), first, last)
+        for i, (start, _, first) in enumerate(spans):
+            if first is not None and (first.pinned or first.adapter in keep):
+                continue
+            newest, evicted = -1, 0
+            for j in range(i, len(spans)):
+                _, end, entry = spans[j]
+                if entry is not None:
+                    if entry.pinned or entry.adapter in keep:
+                        break
+                    newest = max(newest, recency[entry.adapter])
+                    evicted += end - spans[j][0]
+                    if best is not None and (newest, evicted) >= best[0]:
+                        break  # only grows from here
+                if end - start >= need:
+                    if best is None or (newest, evicted) < best[0]:
+                        best = ((newest, evicted), i, j)
+                    break
+        if best is None:
+            return None
+        _, i, j = best
+        return [entry for _, _, entry in spans[i:j + 1] if entry is not None]
 
     def _remove(self, entry: ArenaEntry) -> None:
         del self._lru[entry.adapter]

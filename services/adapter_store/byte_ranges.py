@@ -60,17 +60,3 @@ class ByteRanges:
         if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == offset:
             self._sizes[i - 1] += self._sizes.pop(i)
             self._starts.pop(i)
-
-    def reset(self, used: list[tuple[int, int]]) -> None:
-        """Rebuild the free list from the ranges in use (after compaction moved them)."""
-        used = sorted((off, align_up(max(n, 1), self.align)) for off, n in used)
-        self._starts, self._sizes = [], []
-        cursor = 0
-        for off, size in used:
-            if off > cursor:
-                self._starts.append(cursor)
-                self._sizes.append(off - cursor)
-            cursor = max(cursor, off + size)
-        if cursor < self.capacity:
-            self._starts.append(cursor)
-            self._sizes.append(self.capacity - cursor)

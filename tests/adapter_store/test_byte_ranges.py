@@ -30,10 +30,3 @@ def test_double_free_is_refused():
     r.free(off, 256)
     with pytest.raises(ValueError, match="double free"):
         r.free(off, 256)
-
-
-def test_reset_rebuilds_free_space_around_ranges_in_use():
-    r = ByteRanges(2048, align=256)
-    r.reset([(512, 300), (0, 256)])
-    assert r.free_ranges() == [(256, 256), (1024, 1024)]
-    assert r.free_bytes == 1280
