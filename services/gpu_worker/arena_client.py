@@ -130,6 +130,8 @@ class StoreClient:
         self.results: dict[str, Message] = {}
         self.in_flight: dict[str, str] = {}  # call_id -> adapter
         self.abandoned: set[str] = set()  # calls that timed out; their late pins are given back
+        # When the store last answered anything: a store that answers others is alive, only busy.
+        self.answered_at = time.monotonic()
         # A fresh process holds no pins, whatever an earlier process of this worker id held; said before
         # any acquire on this socket, so the store cannot drop a pin taken by this process.
         self.sock.send_multipart(encode(ReleaseWorker(worker_id=worker_id)))
@@ -159,6 +161,7 @@ class StoreClient:
         wait_ms = int(timeout_s * 1000)
         while self.sock.poll(wait_ms):
             wait_ms = 0
+            self.answered_at = time.monotonic()
             try:
                 reply = decode(self.sock.recv_multipart(copy=False))
             except WireError as e:
@@ -212,8 +215,9 @@ class ArenaAdapterLoader:
     """
 
     def __init__(self, store: StoreClient, segments: ArenaSegments, num_layers: int, slot_width: int,
-                 prefetch_ttl_s: float = 30.0, clock=time.monotonic):
+                 prefetch_ttl_s: float = 30.0, load_timeout_s: float = 120.0, clock=time.monotonic):
         self.store = store
+        self.load_timeout_s = load_timeout_s
         self.segments = segments
         self.num_layers = num_layers
         self.slot_width = slot_width
@@ -260,18 +264,16 @@ class ArenaAdapterLoader:
             return False
         if call_id not in self.store.results:
             now = self.clock()
-            if now - self.pending_since.get(adapter, now) > self.store.timeout_s:
-                # Lost with a store that died, or stuck: give up on it, as a blocking load would have.
-                self._forget_pending(adapter)
-                self.store.abandoned.add(call_id)
-                self.failed[adapter] = AdapterUnavailable(
-                    f"adapter store did not answer within {self.store.timeout_s:g}s")
-                return True
-            if now - self._polled_at < READY_POLL_S:
-                return False  # asked about many waiting requests in one step: the socket is read once
-            self._polled_at = now
-            self.store.poll(0.0)
+            if now - self._polled_at >= READY_POLL_S:  # many waiting requests asked in one step: read once
+                self._polled_at = now
+                self.store.poll(0.0)
             if call_id not in self.store.results:
+                reason = self._overdue(adapter, now)
+                if reason:  # lost with a store that died, or stuck: give up on it
+                    self._forget_pending(adapter)
+                    self.store.abandoned.add(call_id)
+                    self.failed[adapter] = AdapterUnavailable(reason)
+                    return True
                 return False
         error = self._settle(adapter, call_id)
         if getattr(error, "code", "") == "arena_full":
@@ -283,6 +285,20 @@ class ArenaAdapterLoader:
         if error is not None:
             self.failed[adapter] = error  # the engine's load raises it: the request fails with this reason
         return True
+
+    def _overdue(self, adapter: str, now: float) -> str:
+        """Why a started acquire is given up on ("" while it may still come). A busy store answers in turn:
+        loads from disk queue behind each other when many adapters miss the arena at once, so an acquire
+        waits as long as the store keeps answering other calls, up to `load_timeout_s`; it fails after
+        the acquire timeout only when the store has answered nothing for that long (died or stuck)."""
+        waited = now - self.pending_since.get(adapter, now)
+        if waited <= self.store.timeout_s:
+            return ""
+        if time.monotonic() - self.store.answered_at > self.store.timeout_s:
+            return f"adapter store did not answer within {self.store.timeout_s:g}s"
+        if waited > self.load_timeout_s:
+            return f"adapter store did not hand the adapter out within {self.load_timeout_s:g}s"
+        return ""
 
     def _settle(self, adapter: str, call_id: str) -> Exception | None:
         """Take the store's answer to a started acquire: the adapter pinned and held as a prefetch until the

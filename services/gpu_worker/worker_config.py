@@ -28,6 +28,8 @@ class WorkerConfig:
     heartbeat_s: float = _doc("WorkerStatus period while idle (every step sends one while busy)", 0.25)
     acquire_timeout_s: float = _doc("wait at most this long for the adapter_store to hand out an adapter (keep it under "
                                     "the scheduler's heartbeat timeout: the loop sends no status meanwhile)", 5.0)
+    adapter_load_timeout_s: float = _doc("give up on an adapter the store has not handed out after this long while it "
+                                         "answers other calls (loads from disk queue behind each other)", 120.0)
     ready_file: str = _doc("file written when the worker is ready and touched every heartbeat (supervisor liveness)", "")
     warmup: str = _doc("run throwaway requests before reporting ready so kernels compile first: auto (on CUDA), on, off", "auto")
     gpu_prefetch_free_fraction: float = _doc(
@@ -46,6 +48,8 @@ class WorkerConfig:
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup!r}")
         if self.heartbeat_s <= 0 or self.acquire_timeout_s <= 0:
             raise ValueError("heartbeat_s and acquire_timeout_s must be positive")
+        if self.adapter_load_timeout_s < self.acquire_timeout_s:
+            raise ValueError("adapter_load_timeout_s must be at least acquire_timeout_s")
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls, title: str) -> None:

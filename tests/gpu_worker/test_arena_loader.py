@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from services.gpu_worker.adapter_layout import pack_adapter
-from services.gpu_worker.arena_client import ArenaAdapterLoader, ArenaSegments, StoreClient
+from services.gpu_worker.arena_client import AdapterUnavailable, ArenaAdapterLoader, ArenaSegments, StoreClient
 from shared.adapter_format import load_adapter
 from shared.model_config import ModelConfig
 from shared.wire import AcquireAdapter, DeleteAdapter, RegisterAdapter
@@ -104,7 +104,7 @@ def test_a_worker_that_maps_the_arena_and_exits_leaves_it_in_place(store, tiny_a
     aid = register(store, tiny_adapter_dirs[0], "survivor")
     script = textwrap.dedent(f"""
         import zmq
-        from services.gpu_worker.arena_client import ArenaAdapterLoader, ArenaSegments, StoreClient
+        from services.gpu_worker.arena_client import AdapterUnavailable, ArenaAdapterLoader, ArenaSegments, StoreClient
         ctx = zmq.Context()
         client = StoreClient(ctx, {store.address!r}, "short-lived", 20)
         loader = ArenaAdapterLoader(client, ArenaSegments(False), 2, 64)
@@ -177,8 +177,6 @@ def test_ready_for_an_unknown_adapter_lets_the_load_raise(loader):
 def test_an_acquire_the_store_never_answers_fails_its_request_after_the_timeout(tiny_model_dir):
     # A store that died with the acquire in flight: `ready` gives up after the acquire timeout, as a
     # blocking load would, and the engine's load then raises at once instead of waiting again.
-    from services.gpu_worker.arena_client import AdapterUnavailable
-
     ctx = zmq.Context()
     sink = ctx.socket(zmq.ROUTER)  # takes the acquire and never answers
     port = sink.bind_to_random_port("tcp://127.0.0.1")
@@ -200,6 +198,79 @@ def test_an_acquire_the_store_never_answers_fails_its_request_after_the_timeout(
     finally:
         loader.store.close()
         sink.close(0)
+        ctx.term()
+
+
+class _BusyStore:
+    """A store's socket that answers Pings at once and holds each AcquireAdapter for `hold_s` (forever when
+    None) before refusing it as not found: a store alive but slow to hand adapters out."""
+
+    def __init__(self, ctx, hold_s: float | None):
+        import threading
+
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.hold_s = hold_s
+        self.stopping = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        from shared.wire import Ping, Pong, StoreError, decode, encode
+
+        held = []
+        while not self.stopping:
+            if self.sock.poll(10):
+                identity, *frames = self.sock.recv_multipart()
+                msg = decode(frames)
+                if isinstance(msg, Ping):
+                    self.sock.send_multipart([identity, *encode(Pong(service="adapter_store", call_id=msg.call_id))])
+                elif isinstance(msg, AcquireAdapter):
+                    held.append((time.monotonic(), identity, msg))
+            for item in list(held):
+                since, identity, msg = item
+                if self.hold_s is not None and time.monotonic() - since >= self.hold_s:
+                    held.remove(item)
+                    refusal = StoreError(status=404, code="not_found", message=f"no adapter {msg.adapter}",
+                                         call_id=msg.call_id)
+                    self.sock.send_multipart([identity, *encode(refusal)])
+        self.sock.close(0)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.thread.join(timeout=5)
+
+
+@pytest.mark.parametrize("hold_s", [1.2, None])
+def test_an_acquire_waits_past_the_timeout_while_the_store_answers_other_calls(tiny_model_dir, hold_s):
+    # Loads from disk queue behind each other in a busy store: an acquire outliving the acquire timeout is
+    # not given up on while the store answers anything else; it ends with the store's own answer, or after
+    # the load timeout when none comes.
+    ctx = zmq.Context()
+    store = _BusyStore(ctx, hold_s)
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    client = StoreClient(ctx, f"tcp://127.0.0.1:{store.port}", "busy-test", timeout_s=0.3)
+    loader = ArenaAdapterLoader(client, ArenaSegments(False), cfg.num_layers, cfg.kv_dim, load_timeout_s=2.0)
+    adapter = "tenant:a@0000000000000000"
+    try:
+        assert loader.ready(adapter) is False
+        started = time.monotonic()
+        while not loader.ready(adapter):
+            assert time.monotonic() - started < 6, "ready never ended"
+            assert client.arena_name(timeout_s=0.1) == ""  # the store answers (a Pong without an arena)
+            time.sleep(0.02)
+        waited = time.monotonic() - started
+        if hold_s is not None:
+            assert hold_s - 0.1 <= waited < 2.0
+            with pytest.raises(KeyError, match="no adapter"):  # the store's answer, not a timeout
+                loader(adapter)
+        else:
+            assert waited >= 1.9
+            with pytest.raises(AdapterUnavailable, match="did not hand the adapter out within 2s"):
+                loader(adapter)
+    finally:
+        client.close()
+        store.stop()
         ctx.term()
 
 
