@@ -60,6 +60,11 @@ def layout_offsets(ranks: tuple[int, ...], cfg: ModelConfig, slot_width: int) ->
     return tuple(a_off), tuple(b_off), max(a_next, b_next, 1)
 
 
+def _exact_source(t: torch.Tensor) -> torch.Tensor:
+    """float64 goes through fp32 first, as it always has; narrower dtypes convert exactly either way."""
+    return t.float() if t.dtype == torch.float64 else t
+
+
 def pack_adapter(weights: LoraWeights, cfg: ModelConfig, slot_width: int, dtype: torch.dtype = torch.float32) -> PackedAdapter:
     ranks = tuple(weights.module_rank(m) for m in MODULES)
     a_off, b_off, n_slots = layout_offsets(ranks, cfg, slot_width)
@@ -74,10 +79,18 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, slot_width: int, dtype:
             if w is None:
                 continue
             lr = w.rank
-            a = torch.zeros(r, ci * slot_width)
-            a[:lr, :fan_in] = w.lora_a.float()
-            bt = torch.zeros(r, co * slot_width)
-            bt[:lr, :fan_out] = (w.lora_b.float() * w.scale).t()
-            rows[layer, 0, a_off[mi]: a_off[mi] + r * ci] = a.view(r * ci, slot_width).to(dtype)
-            rows[layer, 1, b_off[mi]: b_off[mi] + r * co] = bt.view(r * co, slot_width).to(dtype)
+            # Written straight into the rows (a store packs every adapter it loads from disk, up to 134 MB
+            # at S2): each value is rounded to `dtype` once, from its own dtype or from the fp32 product
+            # with the scale, exactly as through fp32 copies of the whole padded block.
+            a_rows = rows[layer, 0, a_off[mi]: a_off[mi] + r * ci].view(r, ci * slot_width)
+            a_rows[:lr, :fan_in].copy_(_exact_source(w.lora_a))
+            b_rows = rows[layer, 1, b_off[mi]: b_off[mi] + r * co].view(r, co * slot_width)[:lr, :fan_out]
+            if w.lora_b.dtype == dtype:
+                # Transposed in its own dtype (a converting transposed copy is ~50x slower), then scaled in
+                # place: the multiply runs in fp32 and rounds once, as from an fp32 copy.
+                b_rows.copy_(w.lora_b.t())
+                if w.scale != 1.0:
+                    b_rows.mul_(w.scale)
+            else:
+                b_rows.copy_((w.lora_b.float() * w.scale).t())
     return PackedAdapter(weights.name, rows, ranks, a_off, b_off)
