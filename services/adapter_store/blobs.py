@@ -98,6 +98,21 @@ class BlobStore:
     def read(self, sha256: str) -> tuple[bytes, bytes]:
         return unpack_pair(self.path(sha256).read_bytes())
 
+    def read_view(self, sha256: str) -> tuple[bytes, memoryview]:
+        """The pair with the safetensors part as a view of one writable buffer the file was read into (no
+        copy beyond the read: tensors can view it in place)."""
+        with open(self.path(sha256), "rb", buffering=0) as f:
+            buf = bytearray(os.fstat(f.fileno()).st_size)
+            view = memoryview(buf)
+            n = 0
+            while n < len(buf):
+                got = f.readinto(view[n:])
+                if not got:
+                    raise ValueError(f"blob {sha256} shrank while it was read")
+                n += got
+        config_json, model_safetensors = unpack_pair(view)
+        return bytes(config_json), model_safetensors
+
     def verify(self, sha256: str) -> bool:
         h = hashlib.sha256()
         with open(self.path(sha256), "rb") as f:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from services.gpu_worker.adapter_layout import PackedAdapter, pack_adapter
+from shared.adapter_format import adapter_from_tensors
 from shared.log import get_logger
 from shared.model_config import ModelConfig
 from shared.wire import (
@@ -29,6 +30,7 @@ from shared.wire import (
 )
 
 from .arena import Arena, ArenaFull, ArenaTooSmall
+from .blob_tensors import stored_tensors
 from .blobs import BlobStore, pair_hasher
 from .config import StoreConfig
 from .contents import ContentFacts, ContentTable, check_fingerprint
@@ -303,19 +305,21 @@ class AdapterStore:
         return Ack(msg.call_id) if msg.call_id else None
 
     def prepare_load(self, aid: str):
-        """An adapter's rows in the arena's format, from its stored blob, checked again (the blob is read
-        from disk). Touches no arena state: it runs on the pool."""
+        """An adapter's rows in the arena's format, from its stored blob (read from disk). Its tensors are
+        views of the one read, and its config, keys, shapes and ranks are checked against the model again;
+        the pass over every value for NaN/Inf is not repeated (it passed it when stored, and its blob is
+        named by its sha256). Touches no arena state: it runs on the pool."""
         card = self.registry.by_id(aid)
         if card is None:
             raise not_found(aid, "adapter")
         try:
-            config_json, model_st = self.blobs.read(card.sha256)
-        except (OSError, ValueError) as e:
+            config_json, model_st = self.blobs.read_view(card.sha256)
+            weights = adapter_from_tensors(config_json, stored_tensors(model_st), self.model, self.cfg.max_rank,
+                                           aid, check_values=False)
+        except (OSError, ValueError) as e:  # AdapterError and BlobLayoutError are ValueErrors
             log.error("blob_unreadable", adapter=aid, sha256=card.sha256, error=str(e))
             raise StoreRefusal(500, "blob_unreadable", f"stored content of adapter {aid!r} cannot be read") from None
-        checked = check_content(config_json, model_st, self.model, self.cfg.max_rank)
-        checked.weights.name = aid
-        return pack_adapter(checked.weights, self.model, self.slot_width, self.dtype)
+        return pack_adapter(weights, self.model, self.slot_width, self.dtype)
 
     def _put(self, aid: str, packed, keep: frozenset[str] = frozenset()) -> None:
         try:
