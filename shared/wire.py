@@ -383,6 +383,9 @@ class Pong(Message):
     arena_adapters: int = 0
     arena_pins: int = 0  # acquisitions not yet released, summed over adapters and workers
     arena_name: str = ""  # its shared-memory segment, which CUDA workers pin while they start
+    arena_loads: int = 0  # adapters laid into the arena since the store started
+    arena_evictions: int = 0
+    blob_reads: int = 0  # adapters read from disk for workers and hints (never more than one at once each)
 
 
 # --------------------------------------------------------------------------------------------------

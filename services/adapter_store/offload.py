@@ -22,6 +22,15 @@ class Offloaded:
     work: Callable[[], Any]
     finish: Callable[[Any], Any]
     pool: str = "register"  # which of the store's pools runs `work` (registrations, or loads for workers)
+    reads: tuple[str, ...] = ()  # adapters `work` reads from disk: acquires of them join it (store.loading)
+
+
+@dataclass
+class Join:
+    """A handler's answer for an acquire of an adapter already being read from disk: the caller is answered
+    when that read is laid in (one read of each adapter, however many workers and hints ask at once)."""
+
+    adapter: str
 
 
 class Offload:

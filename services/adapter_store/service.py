@@ -30,7 +30,7 @@ from .arena import Arena
 from .blobs import BlobStore
 from .config import StoreConfig
 from .errors import StoreRefusal
-from .offload import Offload, Offloaded
+from .offload import Join, Offload, Offloaded
 from .registry import Registry
 from .store import AdapterStore
 
@@ -62,7 +62,7 @@ class StoreService:
         self.store = AdapterStore(cfg, registry, BlobStore(cfg.data_dir), self.arena, model)
         self.offloads = {"register": Offload(cfg.registration_threads, "register"),
                          "load": Offload(cfg.load_threads, "load")}
-        self.handlers: dict[type, Callable[[Message], Message | Offloaded | None]] = {
+        self.handlers: dict[type, Callable[[Message], Message | Offloaded | Join | None]] = {
             RegisterAdapter: self.store.register,
             ListAdapters: self.store.list,
             GetAdapter: self.store.get,
@@ -86,7 +86,8 @@ class StoreService:
         return Pong("adapter_store", ready=True, pid=os.getpid(), call_id=msg.call_id,
                     arena_capacity_bytes=arena.capacity, arena_used_bytes=arena.used_bytes,
                     arena_pinned_bytes=arena.pinned_bytes, arena_adapters=len(arena), arena_pins=arena.pin_count,
-                    arena_name=arena.name)
+                    arena_name=arena.name, arena_loads=arena.loads, arena_evictions=arena.evictions,
+                    blob_reads=self.store.blob_reads)
 
     def handle(self, identity, frames: list) -> list | None:
         """Reply frames for one request's frames (identity stripped), or None for no reply now (none at all,
@@ -100,12 +101,32 @@ class StoreService:
         if handler is None:
             return encode(StoreError(400, "unsupported_message", f"the adapter store does not handle {type(msg).__name__}",
                                      call_id=getattr(msg, "call_id", "")))
-        reply = self._answer(msg, lambda: handler(msg))
+        return self._dispatch(identity, msg, self._answer(msg, lambda: handler(msg)))
+
+    def _dispatch(self, identity, msg: Message, reply: list | Offloaded | Join | None) -> list | None:
+        """Reply frames to send now, or None when the answer comes later (offloaded work, or a joined read)."""
         if isinstance(reply, Offloaded):
-            self.offloads[reply.pool].submit(
-                reply.work, lambda done: self._send(identity, self._answer(msg, lambda: reply.finish(done.result()))))
+            self.offloads[reply.pool].submit(reply.work, lambda done: self._completed(identity, msg, reply, done))
+            return None
+        if isinstance(reply, Join):
+            self.store.loading[reply.adapter].append((identity, msg))
             return None
         return reply
+
+    def _completed(self, identity, msg: Message, work: Offloaded, done) -> None:
+        """On the loop: answer offloaded work, then the acquires that joined its reads (asked again: the
+        adapter is in the arena now, or its read failed and they start their own)."""
+        self._send(identity, self._answer(msg, lambda: work.finish(done.result())))
+        self._rejoin(work.reads)
+
+    def _rejoin(self, reads: tuple[str, ...]) -> None:
+        for identity, msg in self.store.settle(reads):
+            if not self.running:  # the pools are closing: nothing new may start
+                self._send(identity, encode(StoreError(503, "store_stopping", "the adapter store stopped before "
+                                                       "handling this", call_id=getattr(msg, "call_id", ""))))
+                continue
+            handler = self.handlers[type(msg)]
+            self._send(identity, self._dispatch(identity, msg, self._answer(msg, lambda: handler(msg))))
 
     def _answer(self, msg: Message, call: Callable[[], Message | Offloaded | None]) -> list | Offloaded | None:
         """Encoded reply of a handler call, its refusal as a StoreError, or the Offloaded it returned."""
@@ -120,7 +141,7 @@ class StoreService:
         except Exception as e:  # a bug must cost one request, not the store
             log.exception("handler_failed", message=type(msg).__name__)
             return encode(StoreError(500, "internal_error", f"{type(e).__name__}: {e}", call_id=call_id))
-        if reply is None or isinstance(reply, Offloaded):
+        if reply is None or isinstance(reply, (Offloaded, Join)):
             return reply
         return encode(reply)
 
@@ -179,11 +200,13 @@ class StoreService:
         except Exception as e:  # e.g. deleted or unreadable meanwhile, Redis briefly away: only a hint
             log.info("warm_failed", error=f"{type(e).__name__}: {e}")
             self.store.warm_queue.clear()
+        self._rejoin(work.reads)
 
     def stop(self, *_args) -> None:
         self.running = False
 
     def close(self) -> None:
+        self.running = False  # work finishing below answers its joiners without starting more
         for offload in self.offloads.values():
             offload.close()  # registrations and loads under way finish and are answered
         self.socket.close()

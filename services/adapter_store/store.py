@@ -14,16 +14,17 @@ Order of effects is what makes a crash harmless:
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.adapter_layout import PackedAdapter, pack_adapter
+from services.gpu_worker.adapter_layout import PackedAdapter, layout_offsets, pack_adapter
 from shared.adapter_format import adapter_from_tensors
 from shared.log import get_logger
-from shared.model_config import ModelConfig
+from shared.model_config import MODULES, ModelConfig
 from shared.wire import (
     Ack, AcquireAdapter, AdapterCard, AdapterDeleted, AdapterList, AdapterLocation, AdapterRegistered,
     DeleteAdapter, GetAdapter, ListAdapters, RegisterAdapter, ReleaseAdapter, ReleaseWorker, WarmAdapters, adapter_id,
@@ -35,7 +36,7 @@ from .blobs import BlobStore, pair_hasher
 from .config import StoreConfig
 from .contents import ContentFacts, ContentTable, check_fingerprint
 from .errors import StoreRefusal, bad_request, not_found
-from .offload import Offloaded
+from .offload import Join, Offloaded
 from .registry import RegisterResult, Registry
 from .validation import (
     CheckedAdapter, canonical_config, check_content, check_name, check_tenant, check_upload_size, read_adapter_dir,
@@ -86,6 +87,11 @@ class AdapterStore:
         self.deleting: set[str] = set()  # unlisted ids whose rows are still pinned
         # Hinted adapters to load while idle, each with the more urgent hints it must not evict.
         self.warm_queue: deque[tuple[str, frozenset[str]]] = deque()
+        # Adapters being read from disk for an acquire or a hint -> the callers of acquires that arrived
+        # meanwhile (opaque to the store: the service answers them once the read is laid in).
+        self.loading: dict[str, list] = {}
+        self.blob_reads = 0  # counted on the load threads, under _reads_lock
+        self._reads_lock = threading.Lock()
 
     # ------------------------------------------------------------------ startup
     def reconcile(self) -> dict[str, int]:
@@ -253,15 +259,41 @@ class AdapterStore:
         return card
 
     # ------------------------------------------------------------------ workers
-    def acquire(self, msg: AcquireAdapter) -> AdapterLocation | Offloaded:
+    def acquire(self, msg: AcquireAdapter) -> AdapterLocation | Offloaded | Join:
         """Pin an adapter for a worker. One in the arena is answered at once; one that must come from disk
         is read, checked and packed on the pool (a 60 MB adapter takes a good fraction of a second, and
         the loop must go on answering other workers and registrations meanwhile), then laid into the
-        arena and pinned on the loop."""
+        arena and pinned on the loop. One already being read joins that read."""
         if self.arena.get(msg.adapter) is not None:
             return self._pin_for(msg)
         aid = msg.adapter
-        return Offloaded(lambda: self.prepare_load(aid), lambda packed: self._finish_acquire(msg, packed), pool="load")
+        if aid in self.loading:
+            return Join(aid)
+        self._refuse_if_no_room(aid)
+        self.loading[aid] = []
+        return Offloaded(lambda: self.prepare_load(aid), lambda packed: self._finish_acquire(msg, packed), pool="load",
+                         reads=(aid,))
+
+    def _refuse_if_no_room(self, aid: str) -> None:
+        """Refuse at once, before reading the blob, an adapter that cannot fit beside the pinned bytes (the
+        worker asks again shortly; reading it first only to refuse it made every retry a disk read)."""
+        card = self.registry.by_id(aid)
+        if card is None:
+            return  # prepare_load answers 404
+        ranks = tuple(card.rank if m in card.target_modules else 0 for m in MODULES)
+        _, _, n_slots = layout_offsets(ranks, self.model, self.slot_width)
+        need = self.model.num_layers * 2 * n_slots * self.slot_width * self.dtype.itemsize
+        if need > self.arena.capacity:
+            raise StoreRefusal(507, "arena_too_small", f"adapter needs {need} bytes; the arena holds "
+                               f"{self.arena.capacity}", "adapter")
+        room = self.arena.capacity - self.arena.pinned_bytes
+        if need > room:
+            raise StoreRefusal(507, "arena_full", f"adapter needs {need} bytes; {room} are not pinned by "
+                               "running requests", "adapter")
+
+    def settle(self, reads: tuple[str, ...]) -> list:
+        """The callers that joined these reads, now that they are over (laid in, or failed)."""
+        return [caller for aid in reads for caller in self.loading.pop(aid, [])]
 
     def _finish_acquire(self, msg: AcquireAdapter, packed) -> AdapterLocation:
         if not self._lay_in(msg.adapter, packed):
@@ -312,6 +344,8 @@ class AdapterStore:
         card = self.registry.by_id(aid)
         if card is None:
             raise not_found(aid, "adapter")
+        with self._reads_lock:
+            self.blob_reads += 1
         try:
             config_json, model_st = self.blobs.read_view(card.sha256)
             weights = adapter_from_tensors(config_json, stored_tensors(model_st), self.model, self.cfg.max_rank,
@@ -335,7 +369,8 @@ class AdapterStore:
         are queued and loaded one at a time while the store is idle (a newer hint supersedes the previous
         one); with one, they are read on the load threads and laid in, and the Ack comes when that is done.
         Either way the disk reads stay off the loop."""
-        plan = [(aid, frozenset(msg.adapters[:i])) for i, aid in enumerate(msg.adapters) if aid not in self.arena]
+        plan = [(aid, frozenset(msg.adapters[:i])) for i, aid in enumerate(msg.adapters)
+                if aid not in self.arena and aid not in self.loading]
         if not msg.call_id:
             self.warm_queue = deque(plan)
             return None
@@ -355,15 +390,19 @@ class AdapterStore:
                     break
             return Ack(msg.call_id)
 
+        # Read one after another on one thread: an acquire of one of them reads it itself rather than wait
+        # for the ones before it (so these reads take no joiners).
         return Offloaded(read_all, lay_in_all, pool="load")
 
     def next_warm(self) -> Offloaded | None:
-        """The next queued hint not yet in the arena, as work for the load threads, or None when none is left."""
+        """The next queued hint not yet in the arena nor being read, as work for the load threads, or None
+        when none is left."""
         while self.warm_queue:
             aid, keep = self.warm_queue.popleft()
-            if aid not in self.arena:
+            if aid not in self.arena and aid not in self.loading:
+                self.loading[aid] = []
                 return Offloaded(lambda: self.prepare_load(aid), lambda packed: self._finish_warm(aid, keep, packed),
-                                 pool="load")
+                                 pool="load", reads=(aid,))
         return None
 
     def _finish_warm(self, aid: str, keep: frozenset[str], packed) -> None:

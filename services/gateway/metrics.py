@@ -59,6 +59,15 @@ class SchedulerCollector:
             yield arena
             yield _gauge("loraplex_arena_adapters", "Adapters held in the host arena", store.arena_adapters)
             yield _gauge("loraplex_arena_pins", "Arena acquisitions by workers not yet released", store.arena_pins)
+            yield _counter("loraplex_arena_loads", "Adapters laid into the host arena", store.arena_loads)
+            yield _counter("loraplex_arena_evictions", "Adapters evicted from the host arena", store.arena_evictions)
+            yield _counter("loraplex_adapter_blob_reads", "Adapters read from disk for workers and hints", store.blob_reads)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], value)
+    return c
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

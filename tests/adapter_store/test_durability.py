@@ -14,7 +14,7 @@ from services.adapter_store.client import StoreCallError
 from services.adapter_store.registry import Registry, RegistryNotDurable
 from shared.wire import (
     AcquireAdapter, DeleteAdapter, GetAdapter, ListAdapters, RegisterAdapter, ReleaseAdapter, ReleaseWorker,
-    WarmAdapters,
+    Ping, WarmAdapters,
 )
 
 from .conftest import RedisServer, adapter_files
@@ -215,6 +215,50 @@ def test_acquires_from_disk_at_once_share_one_arena_copy_and_the_store_keeps_ans
         pong = decode(sock.recv_multipart())
         assert isinstance(pong, Pong) and (pong.arena_adapters, pong.arena_pins) == (len(cards), 2 * len(cards))
         assert pong.arena_name and pong.arena_name == store.arena_name
+        # Asked twice at once, each was read from disk once: the second acquire joined the first's read.
+        assert (pong.blob_reads, pong.arena_loads) == (len(cards), len(cards))
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_a_hint_and_an_acquire_of_one_cold_adapter_read_it_once(store_factory, tiny_adapter_dirs):
+    # Whichever comes first (the hinted load runs when the store is idle), the blob is read once.
+    first = store_factory()
+    client = first.client()
+    card = register(client, tiny_adapter_dirs[0], "cold")
+    client.close()
+    first.stop()
+    store = store_factory()
+    client = store.client()
+    try:
+        client.send(WarmAdapters([card.id]))
+        loc = client.call(AcquireAdapter(card.id, "worker-0"))
+        assert loc.nbytes > 0
+        pong = client.call(Ping())
+        assert (pong.blob_reads, pong.arena_loads, pong.arena_pins) == (1, 1, 1)
+    finally:
+        client.close()
+
+
+def test_an_adapter_that_cannot_fit_beside_the_pinned_ones_is_refused_without_reading_it(store_factory, tiny_adapter_dirs):
+    # An arena with room for one wide adapter: while a worker holds it, another wide one is refused at
+    # once (the worker asks again later) instead of being read from disk only to be refused.
+    first = store_factory()
+    client = first.client()
+    cards = [register(client, folder, f"wide-{i}") for i, folder in enumerate(tiny_adapter_dirs[1:4:2])]  # ranks 16, 32
+    client.close()
+    first.stop()
+    store = store_factory(arena_bytes=3 * 2**17)
+    client = store.client()
+    try:
+        client.call(AcquireAdapter(cards[1].id, "worker-0"))
+        with pytest.raises(StoreCallError) as refused:
+            client.call(AcquireAdapter(cards[0].id, "worker-1"))
+        assert (refused.value.error.status, refused.value.error.code) == (507, "arena_full")
+        assert client.call(Ping()).blob_reads == 1
+        client.call(ReleaseAdapter(cards[1].id, "worker-0", call_id="r"))
+        assert client.call(AcquireAdapter(cards[0].id, "worker-1")).nbytes > 0  # room again: read and laid in
+        assert client.call(Ping()).blob_reads == 2
+    finally:
+        client.close()

@@ -48,8 +48,13 @@ def test_requests_over_more_adapters_than_the_caches_hold_match_the_engine(churn
     for r in requests:
         assert got[r["id"]] == (*expected[r["id"]], "length"), r
 
-    loads = metric(churn.metrics(), "loraplex_adapter_loads_total", worker="worker-0")
+    text = churn.metrics()
+    loads = metric(text, "loraplex_adapter_loads_total", worker="worker-0")
     assert loads is not None and loads > ADAPTERS  # evicted from the pool and loaded again
+    # The arena (~10 of the 24) evicted adapters and read them back from disk.
+    evictions = metric(text, "loraplex_arena_evictions_total")
+    reads = metric(text, "loraplex_adapter_blob_reads_total")
+    assert evictions > 0 and reads > 0 and metric(text, "loraplex_arena_loads_total") > ADAPTERS
     assert churn.service_pids()["worker-0"] == worker_pid, "the worker was restarted"
     log = churn.log()
     assert "child.hung" not in log and "child.died" not in log
