@@ -153,7 +153,7 @@ def _write_set(setting: Setting, folder: Path, rank: int, seed: int, k: int) -> 
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    tmp.rename(folder)  # whole or absent: a crash never leaves a half-written adapter under its name
+    _publish(tmp, folder)
 
 
 def _link_set(source: Path, folder: Path) -> None:
@@ -165,7 +165,18 @@ def _link_set(source: Path, folder: Path) -> None:
             os.link(source / name, tmp / name)
         except OSError:  # another file system, or links not allowed: a copy holds the same bytes
             shutil.copyfile(source / name, tmp / name)
-    tmp.rename(folder)
+    _publish(tmp, folder)
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Whole or absent: a crash never leaves a half-written adapter under its name. Another driver on the
+    host may have published the same name meanwhile (same setting and seed, so the same content): keep its."""
+    try:
+        tmp.rename(folder)
+    except OSError:
+        if not is_complete(folder):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def generate_adapters(setting: Setting, root: str | Path, n: int, *, seed: int = 0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import signal
 import sys
@@ -69,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="measure again every point whose line started before this time (UTC, e.g. "
                             "2026-11-29T18:40); the older lines stay in the file, the latest line of a point wins")
     sweep.add_argument("--quiet", action="store_true", help="no progress bars")
+    sweep.add_argument("--gpus", type=int, default=1,
+                       help="spread the points over this many GPUs of the host, a driver per GPU (bench/lanes.py)")
+    sweep.add_argument("--gpu", type=int, default=None, help="run on this GPU only, as lane gpuI (its own "
+                       "registry and blobs); set by --gpus for each lane")
+    sweep.add_argument("--shard", default="", metavar="I/N",
+                       help="take every N-th point still to run, from the I-th (set by --gpus for each lane)")
 
     plot = sub.add_parser("plot", help=COMMANDS_HELP["plot"], description=COMMANDS_HELP["plot"] + ".")
     plot.add_argument("files", nargs="*", help="result files (default docs/bench/*.jsonl)")
@@ -115,7 +122,7 @@ def _command(argv: list[str]) -> str:
 
 
 def cmd_sweep(args, argv) -> int:
-    from bench.driver import MORE_PIECES, Driver, SweepSpec, expand, done_keys, groups, point_key
+    from bench.driver import MORE_PIECES, Driver, SweepSpec, expand, done_keys, groups, point_key, shard_of
 
     spec = SweepSpec.load(args.spec)
     results = Path(args.out_dir) / f"{spec.name}.jsonl"
@@ -133,9 +140,24 @@ def cmd_sweep(args, argv) -> int:
             for p in todo:
                 sys.stdout.write(f"  {point_key(p)}\n")
         return 0
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    if args.gpus > 1 and (args.gpu is not None or args.shard):
+        raise ValueError("--gpus starts the lanes itself: give it without --gpu and --shard")
+    shard = shard_of(args.shard) if args.shard else (0, 1)
+    lane = ""
+    if args.gpu is not None:
+        if args.gpu < 0:
+            raise ValueError(f"--gpu must be >= 0, got {args.gpu}")
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gpu)  # before anything here or in a child touches CUDA
+        lane = f"gpu{args.gpu}"
     _unwind_on_sigterm()
     driver = Driver(spec, args.work_dir, results, args.budget_s, _command(argv), progress=not args.quiet,
-                    since=args.since)
+                    since=args.since, lane=lane, shard=shard)
+    if args.gpus > 1:
+        from bench.lanes import sweep_on_gpus
+
+        return sweep_on_gpus(driver, args.spec, args.gpus, args.work_dir, args.out_dir, args.since, args.quiet)
     result = driver.run_piece()
     sys.stdout.write(f"{spec.name}: {len(result.ran)} points measured in this piece, "
                      f"{result.total - result.remaining} of {result.total} in {results}\n")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fcntl
 import itertools
 import json
 import os
@@ -223,9 +224,21 @@ def _utc(text: str) -> datetime.datetime:
 def append_line(results: Path, line: dict) -> None:
     results.parent.mkdir(parents=True, exist_ok=True)
     with open(results, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # drivers on other GPUs of the host append to the same file
         f.write(json.dumps(line) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def shard_of(text: str) -> tuple[int, int]:
+    """`I/N` -> (I, N): this driver takes every N-th point still to run, starting at the I-th."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"shard {text!r} is not I/N (e.g. 0/4)") from None
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"shard {text!r}: need 0 <= I < N")
+    return i, n
 
 
 class Timings:
@@ -239,12 +252,21 @@ class Timings:
         return max(default, float(self.data.get(kind, {}).get(key, 0.0)))
 
     def note(self, kind: str, key: str, seconds: float) -> None:
-        table = self.data.setdefault(kind, {})
-        table[key] = max(float(table.get(key, 0.0)), seconds)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        tmp.replace(self.path)
+        # Drivers on other GPUs of the host note theirs too: merge under a lock, write through a temp file of
+        # this process's own, so no update is lost and no reader sees half a file.
+        with open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.path.is_file():
+                for k, table in json.loads(self.path.read_text()).items():
+                    mine = self.data.setdefault(k, {})
+                    for name, value in table.items():
+                        mine[name] = max(float(mine.get(name, 0.0)), float(value))
+            table = self.data.setdefault(kind, {})
+            table[key] = max(float(table.get(key, 0.0)), seconds)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.data, indent=1))
+            tmp.replace(self.path)
 
 
 def measure_ceilings_apart(device: str) -> dict:
@@ -279,8 +301,11 @@ class PieceResult:
 
 class Driver:
     def __init__(self, spec: SweepSpec, work_dir: str | Path, results: str | Path, budget_s: float = DEFAULT_BUDGET_S,
-                 command: str = "", progress: bool = True, roofline: bool = True, since: str = ""):
+                 command: str = "", progress: bool = True, roofline: bool = True, since: str = "",
+                 lane: str = "", shard: tuple[int, int] = (0, 1)):
         self.spec = spec
+        self.lane = lane  # this driver's GPU among several on the host ("" = the only one)
+        self.shard = shard
         self.since = since  # points measured before this (ISO, UTC) count as not measured
         self.setting = spec.setting_obj
         self.work_dir = Path(work_dir).resolve()
@@ -326,14 +351,14 @@ class Driver:
                            arena_bytes=int(s.arena_gb * 2**30), device=s.device, num_slots=s.num_slots,
                            no_unify_adapters=s.no_unify_adapters, extra_set=tuple(s.set),
                            ready_timeout_s=s.ready_timeout_s, register_concurrency=s.register_concurrency,
-                           progress=self.progress)
+                           progress=self.progress, lane=self.lane)
 
     # ---- one piece ---------------------------------------------------------------------------------
     def run_piece(self) -> PieceResult:
         points = expand(self.spec)
         done = done_keys(self.results, self.since)
         pending = [(key, [p for p in group if point_key(p) not in done]) for key, group in groups(points)]
-        pending = [(key, group) for key, group in pending if group]
+        pending = self.my_share([(key, group) for key, group in pending if group])
         remaining = sum(len(g) for _, g in pending)
         result = PieceResult(ran=[], remaining=remaining, total=len(points))
         note(f"sweep {self.spec.name}: {len(points) - remaining} of {len(points)} points done, {remaining} to run, "
@@ -364,6 +389,16 @@ class Driver:
                 break
         result.remaining = remaining - len(result.ran)
         return result
+
+    def my_share(self, pending: list[tuple[tuple, list]]) -> list[tuple[tuple, list]]:
+        """Every N-th point still to run, in the sweep's order, for shard I of N: drivers started together on
+        the host's GPUs read the same results file, so their shares are disjoint and cover the rest."""
+        i, n = self.shard
+        if n == 1:
+            return pending
+        order = itertools.count()
+        mine = [(key, [p for p in group if next(order) % n == i]) for key, group in pending]
+        return [(key, group) for key, group in mine if group]
 
     def plan(self, pending: list[tuple[tuple, list]]) -> tuple[list[tuple[tuple, list]], str]:
         """The stacks and points this piece takes on, packed into the budget by the estimates (so a piece's
@@ -446,6 +481,8 @@ class Driver:
         line.update(cpu.report(wall))
         self.timings.note("point_tail", self.timing_key(p.system), max(0.0, wall - p.duration_s))
         line.update(key=point_key(p), sweep=self.spec.name, **info)
+        if self.lane:
+            line["lane"] = self.lane
         if ceilings is not None:
             line.update(self.roofline_fields(p, line, ceilings, pool_slots, population))
         append_line(self.results, line)

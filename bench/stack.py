@@ -104,6 +104,9 @@ class StackConfig:
     register_concurrency: int = DEFAULT_CONCURRENCY
     progress: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    # Several drivers on one host, one GPU each: each lane keeps its own registry and blobs (two Redis
+    # servers must never share an append-only file) and its own PEFT view.
+    lane: str = ""
 
     def __post_init__(self) -> None:
         check_system(self.system)
@@ -160,7 +163,8 @@ class Stack:
     def data_dir(self) -> Path:
         """One per adapter population: its Redis registry holds exactly that population's names."""
         pop = self.config.population
-        return self.config.work_dir / "data" / (pop.root.name if pop is not None else self.config.setting.name)
+        name = pop.root.name if pop is not None else self.config.setting.name
+        return self.config.work_dir / "data" / (f"{name}-{self.config.lane}" if self.config.lane else name)
 
     def flags(self) -> list[str]:
         """The `--set` flags of this system and policy."""
@@ -198,7 +202,7 @@ class Stack:
         """A folder holding exactly the n adapters of this run (links to the population's folders): the
         PEFT server serves every folder under its --adapters-dir."""
         c = self.config
-        view = c.work_dir / "peft-views" / f"{c.setting.name}-{c.n_adapters}"
+        view = c.work_dir / "peft-views" / "-".join(filter(None, [c.setting.name, str(c.n_adapters), c.lane]))
         view.mkdir(parents=True, exist_ok=True)
         wanted = set(self.names)
         for entry in view.iterdir():

@@ -225,3 +225,46 @@ def test_base_only_points_send_every_request_to_the_base_model():
     requests = [TraceRequest(0, 0.0, None, 8, 8), TraceRequest(1, 0.1, 3, 8, 8)]
     assert [point_model_for(lora, "base", by_adapter)(r) for r in requests] == ["base", "a3"]
     assert [point_model_for(base_only, "base", by_adapter)(r) for r in requests] == ["base", "base"]
+
+
+def test_a_sweep_spread_over_two_gpus_runs_each_point_once_in_its_own_lane(tmp_path):
+    # Two drivers side by side (on the CPU here), each its share of the points, its own stack, registry and
+    # blobs; their lines land in one results file; running again finds nothing left.
+    spec = {**TWO_POINTS, "systems": ["loraplex"], "by_system": {}}
+    spec_path = tmp_path / "tiny-two.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    work, out = tmp_path / "work", tmp_path / "out"
+
+    def on_gpus(budget):
+        return subprocess.run([sys.executable, "-m", "shared.cli", "bench", "sweep", str(spec_path), "--gpus", "2",
+                               "--budget-s", str(budget), "--work-dir", str(work), "--out-dir", str(out), "--quiet"],
+                              cwd=REPO, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+
+    first = on_gpus(200)
+    assert first.returncode == 0, first.stdout + first.stderr
+    lines = results(out)
+    assert sorted((x["n_adapters"], x["lane"]) for x in lines) == [(2, "gpu0"), (3, "gpu1")]
+    assert all(x["n_completed"] > 0 for x in lines)
+    assert "[gpu0]" in first.stderr and "[gpu1]" in first.stderr
+    assert "2 of 2 points" in first.stdout
+    data = sorted(d.name for d in (work / "data").iterdir())
+    assert data == ["tiny-s0-gpu0", "tiny-s0-gpu1"], data  # a registry and blobs per lane
+    assert json.loads((work / "timings.json").read_text())["startup"]  # both lanes merged their timings
+
+    again = on_gpus(200)
+    assert again.returncode == 0 and len(results(out)) == 2, again.stdout + again.stderr
+
+
+def test_shares_of_the_remaining_points_are_disjoint_and_cover_them(tmp_path):
+    from bench.driver import shard_of
+
+    spec = SweepSpec.from_dict({**TWO_POINTS, "n": [1, 2, 3, 4, 5]})
+    pending = groups(expand(spec))
+    shares = [Driver(spec, tmp_path, tmp_path / "r.jsonl", shard=(i, 3)).my_share(pending) for i in range(3)]
+    keys = [point_key(p) for share in shares for _, group in share for p in group]
+    assert sorted(keys) == sorted(point_key(p) for _, g in pending for p in g) and len(set(keys)) == len(keys)
+    assert all(share for share in shares)
+    assert shard_of("1/4") == (1, 4)
+    for bad in ("4/4", "x", "1/0", "-1/2"):
+        with pytest.raises(ValueError, match="shard"):
+            shard_of(bad)
