@@ -70,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="measure again every point whose line started before this time (UTC, e.g. "
                             "2026-11-29T18:40); the older lines stay in the file, the latest line of a point wins")
     sweep.add_argument("--quiet", action="store_true", help="no progress bars")
-    sweep.add_argument("--gpus", type=int, default=1,
-                       help="spread the points over this many GPUs of the host, a driver per GPU (bench/lanes.py)")
+    sweep.add_argument("--gpus", default="1", metavar="N|I,J,..",
+                       help="spread the points over this many GPUs of the host (or these GPU ids, so that other "
+                            "sweeps can run on the rest), a driver per GPU (bench/lanes.py)")
     sweep.add_argument("--gpu", type=int, default=None, help="run on this GPU only, as lane gpuI (its own "
                        "registry and blobs); set by --gpus for each lane")
     sweep.add_argument("--shard", default="", metavar="I/N",
@@ -117,6 +118,17 @@ def _stack_arguments(p: argparse.ArgumentParser) -> None:
                    help="adapters, stack data, logs, shared by every sweep (default %(default)s)")
 
 
+def gpus_of(text: str) -> list[int]:
+    """`--gpus`: a count N (GPUs 0..N-1) or a list of GPU ids `I,J,..`."""
+    try:
+        ids = [int(x) for x in text.split(",")] if "," in text else list(range(int(text)))
+    except ValueError:
+        raise ValueError(f"--gpus {text!r} is neither a count nor a list of GPU ids such as 2,3") from None
+    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"--gpus {text!r}: need at least one GPU, ids >= 0, none twice")
+    return ids
+
+
 def _command(argv: list[str]) -> str:
     return shlex.join(["loraplex", "bench", *argv])
 
@@ -140,9 +152,9 @@ def cmd_sweep(args, argv) -> int:
             for p in todo:
                 sys.stdout.write(f"  {point_key(p)}\n")
         return 0
-    if args.gpus < 1:
-        raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
-    if args.gpus > 1 and (args.gpu is not None or args.shard):
+    gpu_ids = gpus_of(args.gpus)
+    spread = len(gpu_ids) > 1 or "," in args.gpus
+    if spread and (args.gpu is not None or args.shard):
         raise ValueError("--gpus starts the lanes itself: give it without --gpu and --shard")
     shard = shard_of(args.shard) if args.shard else (0, 1)
     lane = ""
@@ -154,10 +166,10 @@ def cmd_sweep(args, argv) -> int:
     _unwind_on_sigterm()
     driver = Driver(spec, args.work_dir, results, args.budget_s, _command(argv), progress=not args.quiet,
                     since=args.since, lane=lane, shard=shard)
-    if args.gpus > 1:
+    if spread:
         from bench.lanes import sweep_on_gpus
 
-        return sweep_on_gpus(driver, args.spec, args.gpus, args.work_dir, args.out_dir, args.since, args.quiet)
+        return sweep_on_gpus(driver, args.spec, gpu_ids, args.work_dir, args.out_dir, args.since, args.quiet)
     result = driver.run_piece()
     sys.stdout.write(f"{spec.name}: {len(result.ran)} points measured in this piece, "
                      f"{result.total - result.remaining} of {result.total} in {results}\n")

@@ -1,8 +1,9 @@
 """One sweep spread over a host's GPUs: a driver per GPU ("lane"), each running its share of the points.
 
-`loraplex bench sweep SPEC --gpus N` writes the adapter population first (one writer), then starts N
-drivers, driver i with CUDA_VISIBLE_DEVICES=i and shard i/N: every N-th point still missing from the
-results file, so the shares are disjoint and cover the rest. Each lane starts its own stacks on its GPU,
+`loraplex bench sweep SPEC --gpus N` (or `--gpus 2,3`: these GPUs, so another sweep can have the rest)
+writes the adapter population first (one writer), then starts a driver per GPU, the i-th of N with
+CUDA_VISIBLE_DEVICES set to its GPU and shard i/N: every N-th point still missing from the results file,
+so the shares are disjoint and cover the rest. Each lane starts its own stacks on its GPU,
 with its own registry and blobs (data/<population>-gpuI), and appends its lines to the shared results
 file under a lock. Points measured side by side on one host share its CPUs, RAM and disk, not a GPU:
 each stack's service CPU time is in its lines (`service_cpu_cores`) to show they did not run short.
@@ -22,10 +23,10 @@ from bench import REPO, child_env
 LANE_FAILED = 1
 
 
-def lane_argv(spec: str, gpu: int, gpus: int, budget_s: float, work_dir: Path, out_dir: str, since: str,
-              quiet: bool) -> list[str]:
+def lane_argv(spec: str, gpu: int, shard: int, shards: int, budget_s: float, work_dir: Path, out_dir: str,
+              since: str, quiet: bool) -> list[str]:
     argv = [sys.executable, "-m", "shared.cli", "bench", "sweep", spec, "--budget-s", f"{budget_s:.0f}",
-            "--work-dir", str(work_dir), "--out-dir", out_dir, "--gpu", str(gpu), "--shard", f"{gpu}/{gpus}"]
+            "--work-dir", str(work_dir), "--out-dir", out_dir, "--gpu", str(gpu), "--shard", f"{shard}/{shards}"]
     if since:
         argv += ["--since", since]
     return argv + (["--quiet"] if quiet else [])
@@ -37,7 +38,7 @@ def _relay(stream, prefix: str, sink) -> None:
         sink.flush()
 
 
-def run_lanes(argvs: list[list[str]]) -> list[int]:
+def run_lanes(argvs: list[list[str]], labels: list[str]) -> list[int]:
     """Run the lanes' drivers side by side, their output relayed with a [gpuI] prefix; their exit codes.
     A lane still running when this process is told to stop is stopped with it (SIGTERM: its stack stops)."""
     procs, relays = [], []
@@ -47,7 +48,7 @@ def run_lanes(argvs: list[list[str]]) -> list[int]:
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             procs.append(proc)
             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                t = threading.Thread(target=_relay, args=(stream, f"[gpu{i}]", sink), daemon=True)
+                t = threading.Thread(target=_relay, args=(stream, f"[{labels[i]}]", sink), daemon=True)
                 t.start()
                 relays.append(t)
         codes = [proc.wait() for proc in procs]
@@ -66,7 +67,8 @@ def run_lanes(argvs: list[list[str]]) -> list[int]:
     return codes
 
 
-def sweep_on_gpus(driver, spec_path: str, gpus: int, work_dir: Path, out_dir: str, since: str, quiet: bool) -> int:
+def sweep_on_gpus(driver, spec_path: str, gpus: list[int], work_dir: Path, out_dir: str, since: str,
+                  quiet: bool) -> int:
     """The parent of `--gpus N`: population first, then the lanes; the sweep's exit status."""
     from bench.driver import ADAPTER_SYSTEMS, MORE_PIECES, done_keys, expand, point_key
 
@@ -79,8 +81,9 @@ def sweep_on_gpus(driver, spec_path: str, gpus: int, work_dir: Path, out_dir: st
             sys.stdout.write("stopped: adapter generation reached the budget; run the same command again to continue\n")
             return MORE_PIECES
     budget = driver.left()
-    argvs = [lane_argv(spec_path, i, gpus, budget, work_dir, out_dir, since, quiet) for i in range(gpus)]
-    codes = run_lanes(argvs)
+    argvs = [lane_argv(spec_path, gpu, i, len(gpus), budget, work_dir, out_dir, since, quiet)
+             for i, gpu in enumerate(gpus)]
+    codes = run_lanes(argvs, [f"gpu{gpu}" for gpu in gpus])
     remaining = sum(point_key(p) not in done_keys(driver.results, since) for p in points)
     sys.stdout.write(f"{driver.spec.name}: {len(points) - remaining} of {len(points)} points in {driver.results} "
                      f"(lanes exited {codes})\n")

@@ -268,3 +268,12 @@ def test_shares_of_the_remaining_points_are_disjoint_and_cover_them(tmp_path):
     for bad in ("4/4", "x", "1/0", "-1/2"):
         with pytest.raises(ValueError, match="shard"):
             shard_of(bad)
+
+
+def test_gpus_are_a_count_or_a_list_of_ids():
+    from bench.cli import gpus_of
+
+    assert gpus_of("4") == [0, 1, 2, 3] and gpus_of("2,3") == [2, 3] and gpus_of("1") == [0]
+    for bad in ("x", "0", "1,1", "-1,2"):
+        with pytest.raises(ValueError, match="--gpus"):
+            gpus_of(bad)
