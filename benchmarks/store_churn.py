@@ -24,12 +24,16 @@ What the line means:
   --timeout-s (a GPU worker fails its request then; a late pin is given back at once, as workers do).
 - loop_silence_ms: the longest stretch in the window during which calls were outstanding and the store
   answered none of them (its loop busy, e.g. copying or compacting arena bytes).
-- loads / loads_total: adapters the store read from disk and laid into the arena, in the window / over
-  warm-up, window and drain. The store exposes no count on its socket (Pong has arena sizes only), so
-  these are its own `adapter_loaded` log lines (loads_source says so). store_read_gb is what the store
-  process read through read(2) in the window (/proc/PID/io rchar): blob reads, including those whose rows
-  were dropped because another load of the same adapter got there first; blob_reads_est divides it by the
-  names' mean file size (more reads than loads: the same adapter read twice at once).
+- loads / loads_total: adapters the store laid into the arena, in the window / over warm-up, window and
+  drain; evictions: adapters it evicted in the window; blob_reads: blobs it read from disk in the window,
+  laid in or not (an acquire of an adapter already being read joins that read; rows refused once read, e.g.
+  as arena_full, still count). All from the counters in the store's Pong (arena_loads, arena_evictions,
+  blob_reads; loads_source says so), asked by a Ping at each edge of the window. The store answers a Ping
+  when its loop gets to it, so the window's deltas cover counters_span_s, the time between the two
+  answers, and loads_per_s divides by that; counters_lag_ms says how long after each edge the answer came
+  (a loop that reads no request for seconds shows here, not in loop_silence_ms, when it keeps answering
+  finished loads meanwhile; with both Pings answered at once the span is near 0 and the deltas say little).
+  store_read_gb is what the store process read through read(2) in the window (/proc/PID/io rchar).
 - distinct_cold_acquired: adapters pinned during the run that were not in the arena when churn began;
   each of them had to come from disk at least once, so loads_total >= distinct_cold_acquired.
 - unanswered_at_end: acquires still unanswered --timeout-s after the window closed (a backlog of loads:
@@ -40,7 +44,6 @@ What the line means:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import heapq
 import json
 import os
@@ -49,8 +52,8 @@ import random
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -61,199 +64,20 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from bench import REPO, child_env
 from bench.adapters import generate_adapters
 from bench.settings import SETTINGS, get_setting
-from services.launcher_redis import redis_command, redis_ping
-from shared.probes import cpu_seconds, free_port
+from benchmarks.store_churn_services import (
+    STOP_TIMEOUT_S, Services, dealer, register_all, request, send_request, wait_ready,
+)
+from shared.probes import cpu_seconds
 from shared.wire import (
-    AcquireAdapter, AdapterList, AdapterLocation, AdapterRegistered, ListAdapters, Ping, Pong, RegisterAdapter,
-    ReleaseAdapter, StoreError, decode, encode,
+    AcquireAdapter, AdapterList, AdapterLocation, ListAdapters, Ping, Pong, ReleaseAdapter, StoreError, decode,
+    encode,
 )
 
 GIB = 2**30
 GB = 10**9  # the population's byte budget counts as bench/adapters.py does
-# Registrations sent before their answers are read: enough to keep the store's registration threads busy.
-REGISTER_WINDOW = 32
-REGISTER_STALL_S = 300.0
-START_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 30.0
-# The store logs this event when it has laid an adapter read from disk into the arena (services/adapter_store).
-LOAD_EVENT = "adapter_loaded"
 POLL_MS = 10
-
-
-# ---- processes ----------------------------------------------------------------------------------------
-
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when this process dies, so a killed benchmark leaks no store."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _stop(proc: subprocess.Popen | None, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
-class Services:
-    """Redis and one adapter store on fresh state under `run_dir`; stop() undoes everything start() did."""
-
-    def __init__(self, run_dir: Path, model_dir: Path, allowed_root: Path, arena_bytes: int, dtype: str,
-                 load_threads: int | None, log_path: Path):
-        self.run_dir = run_dir
-        self.model_dir = model_dir
-        self.allowed_root = allowed_root
-        self.arena_bytes = arena_bytes
-        self.dtype = dtype
-        self.load_threads = load_threads
-        self.log_path = log_path
-        self.arena_name = f"lpx-churn-{uuid.uuid4().hex[:12]}"
-        self.address = ""
-        self.redis: subprocess.Popen | None = None
-        self.store: subprocess.Popen | None = None
-        self._log_file = None
-
-    def start(self) -> None:
-        redis_dir = self.run_dir / "redis"
-        redis_dir.mkdir(parents=True)
-        port = free_port()
-        self.redis = subprocess.Popen(redis_command(redis_dir, port, "always"), stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 30
-        while not self._redis_up(url):
-            if self.redis.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start; see {redis_dir / 'redis.log'}")
-            time.sleep(0.05)
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        flags = {"--bind": self.address, "--redis-url": url, "--data-dir": str(self.run_dir / "store"),
-                 "--model-dir": str(self.model_dir), "--dtype": self.dtype, "--arena-bytes": str(self.arena_bytes),
-                 "--arena-name": self.arena_name, "--allowed-root": str(self.allowed_root)}
-        if self.load_threads is not None:
-            flags["--load-threads"] = str(self.load_threads)
-        cmd = [sys.executable, "-m", "services.adapter_store", *[x for kv in flags.items() for x in kv]]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "wb")
-        self.store = subprocess.Popen(cmd, cwd=REPO, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                      env=child_env(PYTHONUNBUFFERED="1"), preexec_fn=_die_with_parent)
-
-    @staticmethod
-    def _redis_up(url: str) -> bool:
-        import redis
-
-        try:
-            return redis_ping(url)
-        except (redis.RedisError, OSError):  # refused or still loading: not up yet
-            return False
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def load_count(self) -> int:
-        """The store's `adapter_loaded` log lines so far (it flushes each line as it logs it)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                return sum(1 for line in f if LOAD_EVENT.encode() in line)
-        except OSError:
-            return 0
-
-    def read_bytes(self) -> int | None:
-        """Bytes the store has read through read(2) so far (/proc/PID/io rchar), or None if unreadable."""
-        try:
-            for line in Path(f"/proc/{self.store.pid}/io").read_text().splitlines():
-                if line.startswith("rchar:"):
-                    return int(line.split()[1])
-        except (OSError, AttributeError):
-            return None
-        return None
-
-    def stop(self) -> None:
-        _stop(self.store)
-        if self._log_file is not None:
-            self._log_file.close()
-        # A store that had to be killed leaves its arena segment behind.
-        Path("/dev/shm", self.arena_name).unlink(missing_ok=True)
-        _stop(self.redis)
-
-
-# ---- talking to the store -----------------------------------------------------------------------------
-
-def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
-
-
-def _call(sock: zmq.Socket, msg, timeout_s: float):
-    """One request and its answer (the answers of earlier calls that are still arriving are skipped)."""
-    msg.call_id = uuid.uuid4().hex
-    sock.send_multipart(encode(msg))
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000) + 1):
-        reply = decode(sock.recv_multipart())
-        if getattr(reply, "call_id", "") == msg.call_id:
-            if isinstance(reply, StoreError):
-                raise RuntimeError(f"store refused {type(msg).__name__}: {reply.status} {reply.code}: {reply.message}")
-            return reply
-    raise TimeoutError(f"adapter store did not answer {type(msg).__name__} within {timeout_s:g}s")
-
-
-def wait_ready(sock: zmq.Socket, services: Services) -> Pong:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if services.store.poll() is not None:
-            raise RuntimeError(f"adapter store exited with {services.store.returncode}:\n{services.log_tail()}")
-        try:
-            return _call(sock, Ping(), 1.0)
-        except TimeoutError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"adapter store not ready in {START_TIMEOUT_S:g}s:\n{services.log_tail()}") from None
-
-
-def register_all(sock: zmq.Socket, root: Path, names: list[str], progress: bool) -> float:
-    """Register every name by its folder's server path, REGISTER_WINDOW at a time; seconds taken."""
-    from tqdm import tqdm
-
-    started = time.monotonic()
-    todo = list(reversed(names))
-    waiting: set[str] = set()
-    failed: dict[str, str] = {}
-    with tqdm(total=len(names), desc="register", unit="adapter", disable=not progress) as bar:
-        while todo or waiting:
-            while todo and len(waiting) < REGISTER_WINDOW:
-                name = todo.pop()
-                sock.send_multipart(encode(RegisterAdapter(name, path=str(root / name), call_id=name)))
-                waiting.add(name)
-            if not sock.poll(int(REGISTER_STALL_S * 1000)):
-                raise RuntimeError(f"adapter store answered no registration in {REGISTER_STALL_S:g}s "
-                                   f"({len(waiting)} waiting)")
-            reply = decode(sock.recv_multipart())
-            name = reply.call_id
-            if name not in waiting:
-                continue
-            waiting.discard(name)
-            if isinstance(reply, StoreError):
-                failed[name] = f"{reply.status} {reply.code}: {reply.message}"
-            elif not isinstance(reply, AdapterRegistered):
-                failed[name] = f"unexpected reply {type(reply).__name__}"
-            bar.update(1)
-    if failed:
-        first = next(iter(failed.items()))
-        raise RuntimeError(f"{len(failed)} registration(s) failed, e.g. {first[0]}: {first[1]}")
-    return time.monotonic() - started
 
 
 # ---- churn --------------------------------------------------------------------------------------------
@@ -290,7 +114,7 @@ class FakeWorkers:
     def __init__(self, ctx: zmq.Context, address: str, count: int, in_flight: int, hold_s: float, timeout_s: float,
                  adapters: list[str], seed: int):
         self.ids = [f"churn-worker-{i}" for i in range(count)]
-        self.sockets = [_socket(ctx, address) for _ in range(count)]
+        self.sockets = [dealer(ctx, address) for _ in range(count)]
         self.poller = zmq.Poller()
         for sock in self.sockets:
             self.poller.register(sock, zmq.POLLIN)
@@ -422,6 +246,64 @@ class FakeWorkers:
             sock.close(0)
 
 
+class EdgeCounters:
+    """The store's own counters (its Pong) at the window's edges, asked on a socket and a thread of their
+    own. The store answers a Ping only when its loop gets to it, seconds after the edge on a saturated store,
+    so the churn never waits on the answer, and when each answer came is kept: the counters' deltas cover
+    the span between the two answers, not the window itself."""
+
+    EDGES = ("start", "end")
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        self.sock = dealer(ctx, address)
+        self.marked = {edge: threading.Event() for edge in self.EDGES}
+        self.stopped = threading.Event()
+        self.sent: dict[str, float] = {}
+        self.pongs: dict[str, Pong] = {}
+        self.answered: dict[str, float] = {}
+        self.thread = threading.Thread(target=self._ask, name="edge-counters", daemon=True)
+        self.thread.start()
+
+    def mark(self, edge: str) -> None:
+        """On the churn thread, at the edge: the Ping goes out within a few milliseconds."""
+        self.marked[edge].set()
+
+    def _ask(self) -> None:
+        todo = list(self.EDGES)
+        asked: dict[str, str] = {}  # call_id -> edge
+        while len(self.pongs) < len(self.EDGES) and not self.stopped.is_set():
+            if todo and self.marked[todo[0]].is_set():
+                ping = Ping()
+                send_request(self.sock, ping)
+                edge = todo.pop(0)
+                self.sent[edge] = time.monotonic()
+                asked[ping.call_id] = edge
+            elif self.sock.poll(5):
+                reply = decode(self.sock.recv_multipart())
+                edge = asked.get(getattr(reply, "call_id", ""))
+                if edge is not None and isinstance(reply, Pong):
+                    self.answered[edge] = time.monotonic()
+                    self.pongs[edge] = reply
+
+    def wait(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+        if len(self.pongs) < len(self.EDGES):
+            late = [edge for edge in self.EDGES if edge not in self.pongs]
+            raise TimeoutError(f"adapter store did not answer the Ping at the window's {' and '.join(late)} "
+                               f"within {timeout_s:g}s")
+
+    def lag_ms(self) -> dict:
+        return {edge: round((self.answered[edge] - self.sent[edge]) * 1000, 1) for edge in self.EDGES}
+
+    def span_s(self) -> float:
+        return self.answered["end"] - self.answered["start"]
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+        self.sock.close(0)
+
+
 # ---- the run ------------------------------------------------------------------------------------------
 
 def cpu_model() -> str:
@@ -503,13 +385,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     services = Services(run_dir, model_dir, root, int(args.arena_gb * GIB), args.dtype, args.load_threads,
                         work / "logs" / f"store-{stamp}-{os.getpid()}.log")
     ctx = zmq.Context()
-    control = workers = None
+    control = workers = edges = None
     try:
         services.start()
-        control = _socket(ctx, services.address)
+        control = dealer(ctx, services.address)
         wait_ready(control, services)
         registration_s = register_all(control, root, population.names, progress)
-        cards = _call(control, ListAdapters(), 60.0)
+        cards = request(control, ListAdapters(), 60.0)
         if not isinstance(cards, AdapterList):
             raise RuntimeError(f"the store answered ListAdapters with {type(cards).__name__}")
         ids = {c.name: c.id for c in cards.cards}
@@ -520,15 +402,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         adapters = [ids[name] for name in population.names]
 
         pid = services.store.pid
-        loads_before = services.load_count()
+        before = request(control, Ping(), 30.0)
         started = time.monotonic()
         churn = Churn((started + args.warmup_s, started + args.warmup_s + args.seconds))
         at_start: dict = {}
         at_end: dict = {}
+        edges = EdgeCounters(ctx, services.address)
 
-        def sample(into: dict) -> None:
-            into.update(cpu=cpu_seconds(pid), loads=services.load_count(), read=services.read_bytes(),
-                        client_cpu=time.process_time())
+        def sample(into: dict, edge: str) -> None:
+            edges.mark(edge)
+            into.update(cpu=cpu_seconds(pid), read=services.read_bytes(), client_cpu=time.process_time())
 
         workers = FakeWorkers(ctx, services.address, args.workers, args.in_flight, args.hold_ms / 1000,
                               args.timeout_s, adapters, args.seed)
@@ -543,17 +426,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 shown[0] = elapsed
 
         try:
-            workers.run(churn, lambda: sample(at_start), lambda: sample(at_end), show)
+            workers.run(churn, lambda: sample(at_start, "start"), lambda: sample(at_end, "end"), show)
         finally:
             bar.close()
         unanswered = workers.unanswered
         workers.close()
         workers = None
-        arena_end = _arena(_call(control, Ping(), 30.0))
-        loads_total = services.load_count() - loads_before
+        edges.wait(STOP_TIMEOUT_S)
+        after = request(control, Ping(), 30.0)
     finally:
         if workers is not None:
             workers.close()
+        if edges is not None:
+            edges.close()
         if control is not None:
             control.close(0)
         ctx.term()
@@ -565,6 +450,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     read, store_cpu = (at_end[k] - at_start[k] if at_end[k] is not None and at_start[k] is not None else None
                        for k in ("read", "cpu"))  # None: the store's /proc entries were unreadable
     arena_entries = list(churn.located_bytes.values())
+    pong_start, pong_end = edges.pongs["start"], edges.pongs["end"]
+    loads = pong_end.arena_loads - pong_start.arena_loads
+    span = edges.span_s()
     return {
         "benchmark": "store_churn",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -586,16 +474,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         "over_timeout": sum(1 for x in churn.latencies if x > args.timeout_s),
         "loop_silence_ms": round(churn.silence * 1000, 1),
         "errors": dict(sorted(churn.errors.items())), "unanswered_at_end": unanswered,
-        "loads": at_end["loads"] - at_start["loads"], "loads_total": loads_total,
-        "loads_source": f"store log ({LOAD_EVENT} lines)",
-        "loads_per_s": round((at_end["loads"] - at_start["loads"]) / seconds, 2),
+        "loads": loads, "loads_total": after.arena_loads - before.arena_loads, "loads_source": "store Pong counters",
+        "loads_per_s": round(loads / span, 2) if span > 0 else None,
+        "counters_span_s": round(span, 3), "counters_lag_ms": edges.lag_ms(),
+        "evictions": pong_end.arena_evictions - pong_start.arena_evictions,
+        "blob_reads": pong_end.blob_reads - pong_start.blob_reads,
         "distinct_cold_acquired": len(churn.acquired - resident),
         "store_read_gb": round(read / 1e9, 3) if read is not None else None,
-        # Adapters are drawn uniformly over the names, so a blob read averages the names' file size.
-        "blob_reads_est": round(read / float(np.mean(file_bytes))) if read is not None else None,
         "store_cpu_s": round(store_cpu, 2) if store_cpu is not None else None,
         "client_cpu_s": round(at_end["client_cpu"] - at_start["client_cpu"], 2),
-        "arena_end": arena_end, "store_pid": pid, "arena_name": services.arena_name,
+        "arena_end": _arena(after), "store_pid": pid, "arena_name": services.arena_name,
         "store_log": str(services.log_path),
     }
 

@@ -47,12 +47,23 @@ def test_line_reports_answers_and_ordered_latencies(churn):
 
 def test_churn_reloads_adapters_from_disk(churn):
     """Only a few adapters fit, so every adapter pinned that was not resident when churn began was read from
-    its blob at least once, and eviction keeps the store reading inside the window too."""
+    its blob at least once, and eviction keeps the store reading inside the window too. The counts are the
+    store's own (its Pong), so they must agree with what the workers saw."""
     result, _, _ = churn
+    assert result["loads_source"] == "store Pong counters"
     assert result["resident_at_start"] < result["n"]
     assert result["distinct_cold_acquired"] > 0
     assert result["loads_total"] >= result["distinct_cold_acquired"]
-    assert result["loads"] > 0 and result["loads"] <= result["loads_total"]
+    assert 0 < result["loads"] <= result["loads_total"]
+    # The window's deltas cover the span between the store's answers to the Pings at its edges.
+    lag = result["counters_lag_ms"]
+    assert 0 <= lag["start"] and 0 <= lag["end"]
+    assert result["counters_span_s"] == pytest.approx(
+        result["seconds"] + (lag["end"] - lag["start"]) / 1000, abs=0.1)
+    assert result["loads_per_s"] == pytest.approx(result["loads"] / result["counters_span_s"], rel=0.01)
+    # The arena holds fewer than the twelve, so the window's loads evict and its acquires read blobs.
+    assert result["evictions"] > 0
+    assert result["blob_reads"] > 0
     assert result["store_read_gb"] > 0
     assert result["arena_entry_mb"]["max"] <= result["arena_bytes"] / 1e6
 
