@@ -55,26 +55,35 @@ class Offload:
 
     def _finished(self, on_done: Callable[[Future], None], future: Future) -> None:
         self._done.put((on_done, future))
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already: the loop is bound to look
 
-    def run_finished(self) -> int:
-        """On the loop thread: call on_done for every finished piece of work; how many there were."""
+    def run_finished(self, limit: int | None = None) -> int:
+        """On the loop thread: call on_done for finished work, at most `limit` pieces (None: until none is
+        left); how many ran. With a limit the loop gets back to its socket between batches: loads that keep
+        finishing while it lays earlier ones into the arena must not keep it from reading requests (it read
+        nothing for seconds under churn). Work left over keeps `fd` readable."""
         try:
             while os.read(self._wake_r, 4096):
                 pass
         except BlockingIOError:
             pass
         count = 0
-        while True:
+        while limit is None or count < limit:
             try:
                 on_done, future = self._done.get_nowait()
             except queue.Empty:
                 return count
             count += 1
             on_done(future)
+        if not self._done.empty():
+            self._wake()
+        return count
 
     def close(self) -> None:
         """Let running work finish (its effects are durable), drop what has not started, then answer

@@ -38,6 +38,9 @@ log = get_logger("adapter_store")
 IDLE_POLL_MS = 100
 # Messages answered before finished registrations get their turn, so a busy socket cannot starve them.
 BATCH = 256
+# Finished pieces of work answered per pass of the loop (each may copy an adapter of up to ~134 MB into the
+# arena): then the socket's messages (releases, pings, arena hits) get their turn again.
+FINISHED_PER_PASS = 4
 # The launcher starts Redis first, but it may still be loading its AOF when the store comes up.
 REDIS_WAIT_S = 30.0
 
@@ -174,9 +177,9 @@ class StoreService:
                 self._send(identity, self.handle(identity, frames))
                 if not self.running:
                     break
-            # 2) answer finished registrations and loads
+            # 2) answer finished registrations and loads, a few at a time: the socket's turn comes between
             for offload in self.offloads.values():
-                offload.run_finished()
+                offload.run_finished(FINISHED_PER_PASS)
 
     def _warm_next(self) -> None:
         """One hinted load at a time, on the load threads: hints are guesses, so they never take more than
