@@ -1,0 +1,16 @@
+"""The prefill profile runs end to end on the CPU (tiny model): both modes prefilled and profiled."""
+from __future__ import annotations
+
+import re
+
+from benchmarks.profile_prefill import main
+
+
+def test_prefill_profile_reports_both_modes(tmp_path):
+    out = tmp_path / "prefill.txt"
+    assert main(["--model", "tiny", "--requests", "4", "--prompt-max", "40", "--repeats", "2", "--out", str(out)]) == 0
+    text = out.read_text()
+    steps = dict(re.findall(r"== (base|lora): prefill step ([0-9.]+) ms", text))
+    assert set(steps) == {"base", "lora"} and all(float(v) > 0 for v in steps.values())
+    assert text.count("Self CPU") >= 2  # a profiler table under each
+    assert re.search(r"round of 4 requests, \d+ prompt tokens", text)
