@@ -255,6 +255,44 @@ def test_a_sweep_spread_over_two_gpus_runs_each_point_once_in_its_own_lane(tmp_p
     assert again.returncode == 0 and len(results(out)) == 2, again.stdout + again.stderr
 
 
+def test_lanes_stopped_by_sigterm_stop_their_stacks(tmp_path):
+    import signal
+    import time
+
+    from shared.probes import alive, descendants
+
+    spec_path = tmp_path / "tiny-two.yaml"
+    spec_path.write_text(yaml.safe_dump({**TWO_POINTS, "systems": ["loraplex"], "by_system": {}, "duration_s": 60}))
+    parent = subprocess.Popen([sys.executable, "-m", "shared.cli", "bench", "sweep", str(spec_path), "--gpus", "2",
+                               "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out"), "--quiet"],
+                              cwd=REPO, env=child_env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    logs_dir = tmp_path / "work" / "logs"
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:  # both lanes' stacks up
+            seen.update(descendants(parent.pid))
+            ready = [f for f in logs_dir.glob("*.log")] if logs_dir.is_dir() else []
+            if len([f for f in ready if "loraplex.ready" in f.read_text(errors="replace")]) == 2:
+                break
+            assert parent.poll() is None
+            time.sleep(0.2)
+        time.sleep(1.0)
+        seen.update(descendants(parent.pid))
+        assert len(seen) >= 12  # two drivers, each with a launcher, redis, store, scheduler, worker, gateway
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(90) == 128 + signal.SIGTERM
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    deadline = time.monotonic() + 15
+    while [p for p in seen if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in seen if alive(p)] == []
+    assert not (tmp_path / "out" / "tiny-two.jsonl").exists()
+
+
 def test_shares_of_the_remaining_points_are_disjoint_and_cover_them(tmp_path):
     from bench.driver import shard_of
 
