@@ -26,6 +26,10 @@ from .byte_ranges import ByteRanges, align_up
 ARENA_ALIGN = 256
 
 
+# Stands for a reserved range in the address-order walk of eviction windows: never evicted.
+RESERVED = object()
+
+
 class ArenaFull(RuntimeError):
     """No room even after evicting every unpinned adapter (for now: pins are given back)."""
 
@@ -65,6 +69,9 @@ class Arena:
         self.capacity = self.ranges.capacity
         self._bytes = np.frombuffer(self.shm.buf, dtype=np.uint8)
         self._lru: OrderedDict[str, ArenaEntry] = OrderedDict()  # least recently used first
+        # Ranges handed to a load thread that writes an adapter's rows straight into them: neither resident
+        # (not handed out) nor evictable until committed or given back.
+        self._reserved: dict[str, tuple[int, int]] = {}
         self.loads = 0
         self.bytes_loaded = 0
         self.evictions = 0
@@ -89,11 +96,14 @@ class Arena:
 
     @property
     def used_bytes(self) -> int:
-        return sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values())
+        return (sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values())
+                + sum(align_up(n, ARENA_ALIGN) for _, n in self._reserved.values()))
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values() if e.pinned)
+        """Bytes nothing may evict now: pinned adapters and ranges reserved for loads under way."""
+        return (sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values() if e.pinned)
+                + sum(align_up(n, ARENA_ALIGN) for _, n in self._reserved.values()))
 
     @property
     def pin_count(self) -> int:
@@ -102,6 +112,33 @@ class Arena:
         return sum(sum(e.pins.values()) for e in self._lru.values())
 
     # ---- loading and eviction
+    def reserve(self, adapter: str, nbytes: int, keep: frozenset[str] = frozenset()) -> torch.Tensor:
+        """Room for an adapter's rows, evicting as put does, as a byte tensor over the segment that a load
+        thread may fill while the loop goes on (nothing else touches a reserved range); then `commit`, or
+        `unreserve` if the load fails."""
+        if adapter in self._reserved or adapter in self._lru:
+            raise ValueError(f"adapter {adapter!r} is already reserved or resident")
+        offset = self._make_room(nbytes, keep)
+        self._reserved[adapter] = (offset, nbytes)
+        return torch.from_numpy(self._bytes[offset:offset + nbytes])
+
+    def commit(self, adapter: str, dtype: torch.dtype, shape: tuple[int, ...], ranks, a_off, b_off) -> ArenaEntry:
+        """The reserved rows are written: the adapter is resident (most recently used)."""
+        offset, nbytes = self._reserved.pop(adapter)
+        entry = ArenaEntry(adapter, offset, nbytes, dtype_name(dtype), tuple(shape), tuple(ranks), tuple(a_off),
+                           tuple(b_off))
+        self._lru[adapter] = entry
+        self.loads += 1
+        self.bytes_loaded += nbytes
+        return entry
+
+    def unreserve(self, adapter: str) -> None:
+        offset, nbytes = self._reserved.pop(adapter)
+        self.ranges.free(offset, nbytes)
+
+    def reserved(self, adapter: str) -> bool:
+        return adapter in self._reserved
+
     def put(self, adapter: str, packed: PackedAdapter, keep: frozenset[str] = frozenset()) -> ArenaEntry:
         """Place an adapter's rows (no-op if already resident), evicting unpinned adapters as needed,
         except those in keep (more urgent prefetches)."""
@@ -145,18 +182,22 @@ class Arena:
         holds a few thousand, and this runs once per load that finds no hole."""
         recency = {aid: i for i, aid in enumerate(self._lru)}
         # The address space in order: (start, end, entry or None for a free range).
-        spans = [(e.offset, e.offset + align_up(e.nbytes, ARENA_ALIGN), e) for e in self._lru.values()]
+        spans: list = [(e.offset, e.offset + align_up(e.nbytes, ARENA_ALIGN), e) for e in self._lru.values()]
         spans += [(start, start + size, None) for start, size in self.ranges.free_ranges()]
+        spans += [(start, start + align_up(n, ARENA_ALIGN), RESERVED) for start, n in self._reserved.values()]
         spans.sort(key=lambda s: s[0])
         best: tuple[tuple[int, int], int, int] | None = None  # ((newest rank, evicted bytes), first, last)
+        def blocked(entry) -> bool:
+            return entry is RESERVED or entry.pinned or entry.adapter in keep
+
         for i, (start, _, first) in enumerate(spans):
-            if first is not None and (first.pinned or first.adapter in keep):
+            if first is not None and blocked(first):
                 continue
             newest, evicted = -1, 0
             for j in range(i, len(spans)):
                 _, end, entry = spans[j]
                 if entry is not None:
-                    if entry.pinned or entry.adapter in keep:
+                    if blocked(entry):
                         break
                     newest = max(newest, recency[entry.adapter])
                     evicted += end - spans[j][0]
@@ -219,7 +260,10 @@ class Arena:
     def close(self) -> None:
         """Unmap and unlink the segment (the owner's job; readers only close)."""
         self._bytes = None
-        self.shm.close()
+        try:
+            self.shm.close()
+        except BufferError:  # a range handed to a load cut short by the stop is still viewed: the mapping
+            pass             # goes with the process; the name is unlinked below all the same
         try:
             self.shm.unlink()
         except FileNotFoundError:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.adapter_layout import PackedAdapter, layout_offsets, pack_adapter
+from services.gpu_worker.adapter_layout import PackedAdapter, pack_adapter, packed_nbytes
 from shared.adapter_format import adapter_from_tensors
 from shared.log import get_logger
 from shared.model_config import MODULES, ModelConfig
@@ -261,44 +261,68 @@ class AdapterStore:
     # ------------------------------------------------------------------ workers
     def acquire(self, msg: AcquireAdapter) -> AdapterLocation | Offloaded | Join:
         """Pin an adapter for a worker. One in the arena is answered at once; one that must come from disk
-        is read, checked and packed on the pool (a 60 MB adapter takes a good fraction of a second, and
-        the loop must go on answering other workers and registrations meanwhile), then laid into the
-        arena and pinned on the loop. One already being read joins that read."""
+        gets its arena range on the loop (evicting as needed, or refused at once when pins leave no room:
+        the worker asks again shortly), then a load thread reads, checks and packs it straight into that
+        range (a 60 MB adapter takes a good fraction of a second; the loop goes on answering meanwhile),
+        and the loop pins it. One already being read joins that read."""
         if self.arena.get(msg.adapter) is not None:
             return self._pin_for(msg)
         aid = msg.adapter
         if aid in self.loading:
             return Join(aid)
-        self._refuse_if_no_room(aid)
-        self.loading[aid] = []
-        return Offloaded(lambda: self.prepare_load(aid), lambda packed: self._finish_acquire(msg, packed), pool="load",
-                         reads=(aid,))
-
-    def _refuse_if_no_room(self, aid: str) -> None:
-        """Refuse at once, before reading the blob, an adapter that cannot fit beside the pinned bytes (the
-        worker asks again shortly; reading it first only to refuse it made every retry a disk read)."""
         card = self.registry.by_id(aid)
         if card is None:
-            return  # prepare_load answers 404
+            raise not_found(aid, "adapter")
+        # Module ranks from the card (exact unless ranks vary by layer; then the rows are laid in on the loop).
         ranks = tuple(card.rank if m in card.target_modules else 0 for m in MODULES)
-        _, _, n_slots = layout_offsets(ranks, self.model, self.slot_width)
-        need = self.model.num_layers * 2 * n_slots * self.slot_width * self.dtype.itemsize
-        if need > self.arena.capacity:
-            raise StoreRefusal(507, "arena_too_small", f"adapter needs {need} bytes; the arena holds "
-                               f"{self.arena.capacity}", "adapter")
-        room = self.arena.capacity - self.arena.pinned_bytes
-        if need > room:
-            raise StoreRefusal(507, "arena_full", f"adapter needs {need} bytes; {room} are not pinned by "
-                               "running requests", "adapter")
+        dest = self._reserve(aid, packed_nbytes(ranks, self.model, self.slot_width, self.dtype))
+        self.loading[aid] = []
+        return Offloaded(lambda: self._load_into(aid, dest), lambda loaded: self._finish_acquire(msg, loaded),
+                         pool="load", reads=(aid,))
+
+    def _reserve(self, aid: str, nbytes: int):
+        try:
+            return self.arena.reserve(aid, nbytes)
+        except ArenaTooSmall as e:
+            raise StoreRefusal(507, "arena_too_small", str(e), "adapter") from None
+        except ArenaFull as e:  # every byte pinned or being loaded: workers may ask again shortly
+            raise StoreRefusal(507, "arena_full", str(e), "adapter") from None
+
+    def _load_into(self, aid: str, dest) -> tuple[PackedAdapter, bool] | Exception:
+        """On a load thread: the adapter packed into its reserved range (True), or into memory of its own
+        when its size differs from the card's estimate (False); a failure is returned, for the loop to give
+        the range back before it answers."""
+        try:
+            weights = self.read_weights(aid)
+            ranks = tuple(weights.module_rank(m) for m in MODULES)
+            if packed_nbytes(ranks, self.model, self.slot_width, self.dtype) == dest.numel():
+                return pack_adapter(weights, self.model, self.slot_width, self.dtype, out=dest), True
+            return pack_adapter(weights, self.model, self.slot_width, self.dtype), False
+        except Exception as e:
+            return e
+
+    def _finish_acquire(self, msg: AcquireAdapter, loaded) -> AdapterLocation:
+        aid = msg.adapter
+        if isinstance(loaded, Exception) or aid in self.arena or self.registry.by_id(aid) is None:
+            # Failed, laid in meanwhile by a hint's read, or deleted while it was read.
+            self.arena.unreserve(aid)
+            if isinstance(loaded, Exception):
+                raise loaded
+            if aid not in self.arena:
+                raise not_found(aid, "adapter")
+            return self._pin_for(msg)
+        packed, in_place = loaded
+        if in_place:
+            self.arena.commit(aid, packed.rows.dtype, tuple(packed.rows.shape), packed.ranks, packed.a_off, packed.b_off)
+            log.info("adapter_loaded", adapter=aid, bytes=packed.nbytes)
+        else:
+            self.arena.unreserve(aid)
+            self._put(aid, packed)
+        return self._pin_for(msg)
 
     def settle(self, reads: tuple[str, ...]) -> list:
         """The callers that joined these reads, now that they are over (laid in, or failed)."""
         return [caller for aid in reads for caller in self.loading.pop(aid, [])]
-
-    def _finish_acquire(self, msg: AcquireAdapter, packed) -> AdapterLocation:
-        if not self._lay_in(msg.adapter, packed):
-            raise not_found(msg.adapter, "adapter")
-        return self._pin_for(msg)
 
     def _lay_in(self, aid: str, packed, keep: frozenset[str] = frozenset()) -> bool:
         """Lay rows read on the load threads into the arena, unless another load of the same adapter got
@@ -336,11 +360,15 @@ class AdapterStore:
                 self._finish_delete_if_unpinned(aid)
         return Ack(msg.call_id) if msg.call_id else None
 
-    def prepare_load(self, aid: str):
-        """An adapter's rows in the arena's format, from its stored blob (read from disk). Its tensors are
-        views of the one read, and its config, keys, shapes and ranks are checked against the model again;
-        the pass over every value for NaN/Inf is not repeated (it passed it when stored, and its blob is
-        named by its sha256). Touches no arena state: it runs on the pool."""
+    def prepare_load(self, aid: str) -> PackedAdapter:
+        """An adapter's rows in the arena's format, in memory of their own (a hint's load). Touches no arena
+        state: it runs on the pool."""
+        return pack_adapter(self.read_weights(aid), self.model, self.slot_width, self.dtype)
+
+    def read_weights(self, aid: str):
+        """An adapter's weights from its stored blob (read from disk). Its tensors are views of the one read,
+        and its config, keys, shapes and ranks are checked against the model again; the pass over every
+        value for NaN/Inf is not repeated (it passed it when stored, and its blob is named by its sha256)."""
         card = self.registry.by_id(aid)
         if card is None:
             raise not_found(aid, "adapter")
@@ -353,7 +381,7 @@ class AdapterStore:
         except (OSError, ValueError) as e:  # AdapterError and BlobLayoutError are ValueErrors
             log.error("blob_unreadable", adapter=aid, sha256=card.sha256, error=str(e))
             raise StoreRefusal(500, "blob_unreadable", f"stored content of adapter {aid!r} cannot be read") from None
-        return pack_adapter(weights, self.model, self.slot_width, self.dtype)
+        return weights
 
     def _put(self, aid: str, packed, keep: frozenset[str] = frozenset()) -> None:
         try:

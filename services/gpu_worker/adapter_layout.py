@@ -65,10 +65,25 @@ def _exact_source(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype == torch.float64 else t
 
 
-def pack_adapter(weights: LoraWeights, cfg: ModelConfig, slot_width: int, dtype: torch.dtype = torch.float32) -> PackedAdapter:
+def packed_nbytes(ranks: tuple[int, ...], cfg: ModelConfig, slot_width: int, dtype: torch.dtype) -> int:
+    """Bytes of the rows of an adapter with these module ranks."""
+    return cfg.num_layers * 2 * layout_offsets(ranks, cfg, slot_width)[2] * slot_width * dtype.itemsize
+
+
+def pack_adapter(weights: LoraWeights, cfg: ModelConfig, slot_width: int, dtype: torch.dtype = torch.float32,
+                 out: torch.Tensor | None = None) -> PackedAdapter:
+    """`out`: bytes to lay the rows into (e.g. a range of the host arena), exactly `packed_nbytes` long."""
     ranks = tuple(weights.module_rank(m) for m in MODULES)
     a_off, b_off, n_slots = layout_offsets(ranks, cfg, slot_width)
-    rows = torch.zeros(cfg.num_layers, 2, n_slots, slot_width, dtype=dtype)
+    shape = (cfg.num_layers, 2, n_slots, slot_width)
+    if out is None:
+        rows = torch.zeros(shape, dtype=dtype)
+    else:
+        if out.dtype != torch.uint8 or out.numel() != packed_nbytes(ranks, cfg, slot_width, dtype):
+            raise ValueError(f"out holds {out.numel()} {out.dtype} values; the rows need "
+                             f"{packed_nbytes(ranks, cfg, slot_width, dtype)} bytes")
+        rows = out.view(dtype).view(shape)
+        rows.zero_()
     for mi, m in enumerate(MODULES):
         r = ranks[mi]
         if r == 0:

@@ -126,6 +126,30 @@ def test_free_space_split_by_a_pinned_adapter_is_made_by_evicting_beside_it(aren
         arena.put("f", packed("f", units=2))
 
 
+def test_a_reserved_range_is_filled_in_place_never_evicted_and_given_back_on_failure(arena):
+    for name in ("a", "b"):
+        arena.put(name, packed(name))
+    rows = packed("r").rows
+    dest = arena.reserve("r", rows.numel() * rows.element_size())
+    assert "r" not in arena and arena.reserved("r") and arena.pinned_bytes == UNIT  # not handed out, not evictable
+    arena.put("c", packed("c"))
+    arena.put("d", packed("d", units=1))  # full now: a, b, r, c... d evicted a
+    assert "a" not in arena and arena.reserved("r")
+    dest.view(torch.float32).view(rows.shape).copy_(rows)  # a load thread writes the rows in place
+    entry = arena.commit("r", rows.dtype, tuple(rows.shape), (4,) + (0,) * 6, (0,) * 7, (0,) * 7)
+    assert "r" in arena and not arena.reserved("r") and arena.adapters[-1] == "r"
+    assert torch.equal(arena.rows("r"), rows) and arena.loads == 5 and entry.nbytes == UNIT
+    with pytest.raises(ValueError, match="already"):
+        arena.reserve("r", UNIT)
+
+    arena.acquire("r", "w0")
+    arena.reserve("s", 2 * UNIT)  # evicts the two oldest unpinned
+    with pytest.raises(ArenaFull):  # r pinned and s reserved leave one unit
+        arena.put("e", packed("e", units=2))
+    arena.unreserve("s")  # the load failed: its room is free again
+    assert arena.put("e", packed("e", units=2)).nbytes == 2 * UNIT
+
+
 def test_churn_of_mixed_sizes_keeps_every_resident_adapter_intact_and_pinned_ones_in_place():
     """Many loads of four sizes into a small arena with pins coming and going: whatever is resident reads
     back exactly, pinned adapters never move, and a load is refused only when pins leave no window."""

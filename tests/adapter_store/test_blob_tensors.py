@@ -15,8 +15,8 @@ from services.adapter_store.blob_tensors import BlobLayoutError, stored_tensors
 from services.adapter_store.client import StoreCallError
 from services.gpu_worker.adapter_layout import pack_adapter
 from shared.adapter_format import load_adapter
-from shared.model_config import ModelConfig
-from shared.wire import AcquireAdapter, ReleaseAdapter
+from shared.model_config import MODULES, ModelConfig
+from shared.wire import AcquireAdapter, Ping, ReleaseAdapter
 
 from .test_durability import register
 
@@ -98,6 +98,39 @@ def test_an_adapter_loaded_from_its_blob_has_the_rows_of_its_files_and_a_damaged
         want = pack_adapter(load_adapter(tiny_adapter_dirs[0], cfg), cfg, cfg.kv_dim, torch.bfloat16)
         assert torch.equal(rows, want.rows)
         client.call(ReleaseAdapter(cards[0].id, "worker-0", call_id="r"))
+    finally:
+        client.close()
+        store.stop()
+
+
+def test_an_adapter_whose_ranks_differ_by_module_loads_exactly_whatever_its_card_suggests(
+        store_factory, tiny_model_dir, tmp_path):
+    # The store sizes an acquire's arena range from the card (its largest rank on every targeted module);
+    # a rank_pattern adapter needs less: its rows are laid in from memory instead, still exactly.
+    from shared.make_adapters import make_adapters
+
+    folder = make_adapters(tmp_path / "patterned", tiny_model_dir, 1, ranks=[8], seed=3,
+                           rank_pattern={"q_proj": 2, "v_proj": 4})[0]
+    first = store_factory()
+    client = first.client()
+    card = register(client, folder, "patterned")
+    client.close()
+    first.stop()
+    store = store_factory(dtype="bfloat16")
+    client = store.client()
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    try:
+        loc = client.call(AcquireAdapter(card.id, "worker-0"))
+        want = pack_adapter(load_adapter(folder, cfg), cfg, cfg.kv_dim, torch.bfloat16)
+        assert want.ranks != tuple(card.rank if m in card.target_modules else 0 for m in MODULES)
+        shm = shared_memory.SharedMemory(name=loc.segment)
+        try:
+            rows = location_rows(shm, loc).clone()
+        finally:
+            shm.close()
+        assert torch.equal(rows, want.rows) and tuple(loc.ranks) == want.ranks
+        pong = client.call(Ping())
+        assert (pong.arena_pinned_bytes, pong.arena_used_bytes) == (loc.nbytes, loc.nbytes)  # range given back
     finally:
         client.close()
         store.stop()
