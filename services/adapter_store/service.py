@@ -112,7 +112,7 @@ class StoreService:
             self.offloads[reply.pool].submit(reply.work, lambda done: self._completed(identity, msg, reply, done))
             return None
         if isinstance(reply, Join):
-            self.store.loading[reply.adapter].append((identity, msg))
+            self.store.loading.setdefault(reply.adapter, []).append((identity, msg))
             return None
         return reply
 

@@ -44,6 +44,8 @@ from .validation import (
 )
 
 log = get_logger("adapter_store")
+# The `loading` key of acquires waiting for a load thread (no adapter id is empty).
+LOAD_QUEUE = ""
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -90,6 +92,9 @@ class AdapterStore:
         # Adapters being read from disk for an acquire or a hint -> the callers of acquires that arrived
         # meanwhile (opaque to the store: the service answers them once the read is laid in).
         self.loading: dict[str, list] = {}
+        # Acquires reading from disk now: at most one per load thread holds an arena range, so that queued
+        # loads do not evict cached adapters long before their bytes come. Further ones wait (LOAD_QUEUE).
+        self.reading = 0
         self.blob_reads = 0  # counted on the load threads, under _reads_lock
         self._reads_lock = threading.Lock()
 
@@ -270,6 +275,8 @@ class AdapterStore:
         aid = msg.adapter
         if aid in self.loading:
             return Join(aid)
+        if self.reading >= self.cfg.load_threads:
+            return Join(LOAD_QUEUE)  # asked again, in order, as each read ends
         card = self.registry.by_id(aid)
         if card is None:
             raise not_found(aid, "adapter")
@@ -277,8 +284,9 @@ class AdapterStore:
         ranks = tuple(card.rank if m in card.target_modules else 0 for m in MODULES)
         dest = self._reserve(aid, packed_nbytes(ranks, self.model, self.slot_width, self.dtype))
         self.loading[aid] = []
+        self.reading += 1
         return Offloaded(lambda: self._load_into(aid, dest), lambda loaded: self._finish_acquire(msg, loaded),
-                         pool="load", reads=(aid,))
+                         pool="load", reads=(aid, LOAD_QUEUE))
 
     def _reserve(self, aid: str, nbytes: int):
         try:
@@ -302,6 +310,7 @@ class AdapterStore:
             return e
 
     def _finish_acquire(self, msg: AcquireAdapter, loaded) -> AdapterLocation:
+        self.reading -= 1
         aid = msg.adapter
         if isinstance(loaded, Exception) or aid in self.arena or self.registry.by_id(aid) is None:
             # Failed, laid in meanwhile by a hint's read, or deleted while it was read.
