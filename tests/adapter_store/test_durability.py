@@ -262,3 +262,41 @@ def test_an_adapter_that_cannot_fit_beside_the_pinned_ones_is_refused_without_re
         assert client.call(Ping()).blob_reads == 2
     finally:
         client.close()
+
+
+def test_acquires_beyond_the_load_threads_wait_their_turn_and_are_all_answered(store_factory, tiny_adapter_dirs):
+    # One load thread: four cold adapters asked for at once, twice each, are read one after another, each
+    # once, and every acquire gets its adapter.
+    import zmq
+
+    from shared.wire import AdapterLocation, decode, encode
+
+    first = store_factory()
+    client = first.client()
+    cards = [register(client, folder, f"queued-{i}") for i, folder in enumerate(tiny_adapter_dirs)]
+    client.close()
+    first.stop()
+    store = store_factory(load_threads=1)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(store.address)
+    try:
+        asks = [AcquireAdapter(c.id, f"worker-{w}", call_id=f"{c.id}/{w}") for w in (0, 1) for c in cards]
+        for msg in asks:
+            sock.send_multipart(encode(msg))
+        replies = {}
+        while len(replies) < len(asks):
+            assert sock.poll(20_000), f"no reply; got {sorted(replies)}"
+            reply = decode(sock.recv_multipart())
+            replies[reply.call_id] = reply
+        assert all(isinstance(r, AdapterLocation) for r in replies.values()), replies
+        for c in cards:
+            assert replies[f"{c.id}/0"].offset == replies[f"{c.id}/1"].offset
+        sock.send_multipart(encode(Ping(call_id="after")))
+        assert sock.poll(20_000)
+        pong = decode(sock.recv_multipart())
+        assert (pong.blob_reads, pong.arena_adapters, pong.arena_pins) == (len(cards), len(cards), 2 * len(cards))
+    finally:
+        sock.close(0)
+        ctx.term()
