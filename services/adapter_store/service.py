@@ -38,8 +38,8 @@ log = get_logger("adapter_store")
 IDLE_POLL_MS = 100
 # Messages answered before finished registrations get their turn, so a busy socket cannot starve them.
 BATCH = 256
-# Finished pieces of work answered per pass of the loop (each may copy an adapter of up to ~134 MB into the
-# arena): then the socket's messages (releases, pings, arena hits) get their turn again.
+# Finished pieces of work answered per pass of the loop (a registration's or a hint's may copy an adapter of
+# up to ~134 MB into the arena): then the socket's messages (releases, pings, arena hits) get their turn again.
 FINISHED_PER_PASS = 4
 # The launcher starts Redis first, but it may still be loading its AOF when the store comes up.
 REDIS_WAIT_S = 30.0
