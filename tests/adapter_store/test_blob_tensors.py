@@ -18,7 +18,7 @@ from shared.adapter_format import load_adapter
 from shared.model_config import MODULES, ModelConfig
 from shared.wire import AcquireAdapter, Ping, ReleaseAdapter
 
-from .test_durability import register
+from .test_durability import registered_then_restarted
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -74,12 +74,7 @@ def test_layouts_a_stored_adapter_cannot_have_are_refused(raw, problem):
 
 def test_an_adapter_loaded_from_its_blob_has_the_rows_of_its_files_and_a_damaged_blob_is_refused(
         store_factory, tiny_model_dir, tiny_adapter_dirs):
-    store = store_factory()
-    client = store.client()
-    cards = [register(client, folder, name) for name, folder in zip("ab", tiny_adapter_dirs)]
-    client.close()
-    store.stop()
-    store = store_factory(dtype="bfloat16")  # a fresh arena: acquires read the blobs from disk
+    cards, store = registered_then_restarted(store_factory, list(zip("ab", tiny_adapter_dirs)), dtype="bfloat16")
     client = store.client()
     cfg = ModelConfig.from_dir(tiny_model_dir)
     try:
@@ -111,12 +106,7 @@ def test_an_adapter_whose_ranks_differ_by_module_loads_exactly_whatever_its_card
 
     folder = make_adapters(tmp_path / "patterned", tiny_model_dir, 1, ranks=[8], seed=3,
                            rank_pattern={"q_proj": 2, "v_proj": 4})[0]
-    first = store_factory()
-    client = first.client()
-    card = register(client, folder, "patterned")
-    client.close()
-    first.stop()
-    store = store_factory(dtype="bfloat16")
+    (card,), store = registered_then_restarted(store_factory, [("patterned", folder)], dtype="bfloat16")
     client = store.client()
     cfg = ModelConfig.from_dir(tiny_model_dir)
     try:

@@ -25,6 +25,17 @@ def register(client, folder, name, tenant=""):
     return client.call(RegisterAdapter(name, tenant, config_json=config_json, model_safetensors=model_st)).card
 
 
+def registered_then_restarted(store_factory, named_folders: list, **flags):
+    """Cards of adapters registered with one store process, and a fresh process of the same store (its arena
+    empty: acquires read the blobs from disk), started with `flags`."""
+    first = store_factory()
+    client = first.client()
+    cards = [register(client, folder, name) for name, folder in named_folders]
+    client.close()
+    first.stop()
+    return cards, store_factory(**flags)
+
+
 def file_sha256(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -185,12 +196,8 @@ def test_acquires_from_disk_at_once_share_one_arena_copy_and_the_store_keeps_ans
 
     from shared.wire import AdapterLocation, Ping, Pong, decode, encode
 
-    first = store_factory()
-    client = first.client()
-    cards = [register(client, folder, f"cold-{i}") for i, folder in enumerate(tiny_adapter_dirs[:3])]
-    client.close()
-    first.stop()
-    store = store_factory()
+    cards, store = registered_then_restarted(
+        store_factory, [(f"cold-{i}", folder) for i, folder in enumerate(tiny_adapter_dirs[:3])])
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -224,12 +231,7 @@ def test_acquires_from_disk_at_once_share_one_arena_copy_and_the_store_keeps_ans
 
 def test_a_hint_and_an_acquire_of_one_cold_adapter_read_it_once(store_factory, tiny_adapter_dirs):
     # Whichever comes first (the hinted load runs when the store is idle), the blob is read once.
-    first = store_factory()
-    client = first.client()
-    card = register(client, tiny_adapter_dirs[0], "cold")
-    client.close()
-    first.stop()
-    store = store_factory()
+    (card,), store = registered_then_restarted(store_factory, [("cold", tiny_adapter_dirs[0])])
     client = store.client()
     try:
         client.send(WarmAdapters([card.id]))
@@ -244,12 +246,9 @@ def test_a_hint_and_an_acquire_of_one_cold_adapter_read_it_once(store_factory, t
 def test_an_adapter_that_cannot_fit_beside_the_pinned_ones_is_refused_without_reading_it(store_factory, tiny_adapter_dirs):
     # An arena with room for one wide adapter: while a worker holds it, another wide one is refused at
     # once (the worker asks again later) instead of being read from disk only to be refused.
-    first = store_factory()
-    client = first.client()
-    cards = [register(client, folder, f"wide-{i}") for i, folder in enumerate(tiny_adapter_dirs[1:4:2])]  # ranks 16, 32
-    client.close()
-    first.stop()
-    store = store_factory(arena_bytes=3 * 2**17)
+    cards, store = registered_then_restarted(  # ranks 16 and 32
+        store_factory, [(f"wide-{i}", folder) for i, folder in enumerate(tiny_adapter_dirs[1:4:2])],
+        arena_bytes=3 * 2**17)
     client = store.client()
     try:
         client.call(AcquireAdapter(cards[1].id, "worker-0"))
@@ -271,12 +270,8 @@ def test_acquires_beyond_the_load_threads_wait_their_turn_and_are_all_answered(s
 
     from shared.wire import AdapterLocation, decode, encode
 
-    first = store_factory()
-    client = first.client()
-    cards = [register(client, folder, f"queued-{i}") for i, folder in enumerate(tiny_adapter_dirs)]
-    client.close()
-    first.stop()
-    store = store_factory(load_threads=1)
+    cards, store = registered_then_restarted(
+        store_factory, [(f"queued-{i}", folder) for i, folder in enumerate(tiny_adapter_dirs)], load_threads=1)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
