@@ -322,7 +322,8 @@ class AdapterStore:
             return self._pin_for(msg)
         packed, in_place = loaded
         if in_place:
-            self.arena.commit(aid, packed.rows.dtype, tuple(packed.rows.shape), packed.ranks, packed.a_off, packed.b_off)
+            self.arena.commit(aid, packed.rows.dtype, tuple(packed.rows.shape), packed.ranks, packed.a_off,
+                              packed.b_off)
             log.info("adapter_loaded", adapter=aid, bytes=packed.nbytes)
         else:
             self.arena.unreserve(aid)

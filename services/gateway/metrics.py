@@ -61,7 +61,8 @@ class SchedulerCollector:
             yield _gauge("loraplex_arena_pins", "Arena acquisitions by workers not yet released", store.arena_pins)
             yield _counter("loraplex_arena_loads", "Adapters laid into the host arena", store.arena_loads)
             yield _counter("loraplex_arena_evictions", "Adapters evicted from the host arena", store.arena_evictions)
-            yield _counter("loraplex_adapter_blob_reads", "Adapters read from disk for workers and hints", store.blob_reads)
+            yield _counter("loraplex_adapter_blob_reads", "Adapters read from disk for workers and hints",
+                           store.blob_reads)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(engine_config.device)
     segments = ArenaSegments(register_with_cuda=device.type == "cuda")
     store = StoreClient(ctx, worker.store_addr, worker.worker_id, worker.acquire_timeout_s)
-    loader = ArenaAdapterLoader(store, segments, cfg.num_layers, cfg.kv_dim, load_timeout_s=worker.adapter_load_timeout_s)
+    loader = ArenaAdapterLoader(store, segments, cfg.num_layers, cfg.kv_dim,
+                                load_timeout_s=worker.adapter_load_timeout_s)
     warm = worker.warmup == "on" or (worker.warmup == "auto" and device.type == "cuda")
     packed = warmup_adapter(cfg, DTYPES[engine_config.dtype]) if warm else None
     engine = build_engine(worker, engine_config, WithWarmupAdapter(loader, packed) if warm else loader)

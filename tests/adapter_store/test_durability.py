@@ -243,7 +243,8 @@ def test_a_hint_and_an_acquire_of_one_cold_adapter_read_it_once(store_factory, t
         client.close()
 
 
-def test_an_adapter_that_cannot_fit_beside_the_pinned_ones_is_refused_without_reading_it(store_factory, tiny_adapter_dirs):
+def test_an_adapter_that_cannot_fit_beside_the_pinned_ones_is_refused_without_reading_it(store_factory,
+                                                                                         tiny_adapter_dirs):
     # An arena with room for one wide adapter: while a worker holds it, another wide one is refused at
     # once (the worker asks again later) instead of being read from disk only to be refused.
     cards, store = registered_then_restarted(  # ranks 16 and 32
