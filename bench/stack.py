@@ -14,7 +14,6 @@ stack are still registered: a registration that a piece of a sweep had to stop c
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from bench import REPO, child_env
 from bench.adapters import DEFAULT_CONCURRENCY, Population, Registration, register
 from bench.settings import Setting
 from shared.config import EngineConfig
+from services.launcher_children import die_with_parent
 from shared.probes import alive, descendants, free_port
 
 SYSTEMS = ("loraplex", "base-only", "peft", "merge", "bmm", "no-unify")
@@ -43,19 +43,6 @@ POLICIES: dict[str, tuple[str, ...]] = {
 # its worst case.
 NO_UNIFY_ADAPTERS = EngineConfig().max_resident_adapters
 STOP_TIMEOUT_S = 60.0
-
-
-def _die_with(parent_pid: int):
-    """preexec_fn: the kernel sends the child SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG); the
-    launcher then drains and stops its own children."""
-    def preexec() -> None:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-        if os.getppid() != parent_pid:
-            os._exit(1)  # the parent died before prctl took effect
-    return preexec
 
 
 def check_system(system: str) -> str:
@@ -232,7 +219,7 @@ class Stack:
         # Its own session: a Ctrl-C at the driver's terminal reaches the driver, which then stops the stack.
         # And it dies with the driver, even one killed outright: a stack left behind would hold the GPU.
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=_die_with(os.getpid()))
+                                     start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
         try:
             self._wait_ready(started)
             self.base_model = base_model(self.url, self.config.setting.model)

@@ -1,11 +1,10 @@
 """The processes benchmarks/store_churn.py measures and the plain requests it makes to them, kept apart from
 the churn driver so that file holds only what is measured and reported: Redis and one adapter_store on fresh
-state (children that die with the benchmark), one request at a time on a DEALER socket, waiting for the store
-to answer, and registering a population by server path."""
+state (children that die with the benchmark), waiting for the store to answer, and registering a population
+by server path."""
 from __future__ import annotations
 
-import ctypes
-import signal
+import os
 import subprocess
 import sys
 import time
@@ -15,8 +14,10 @@ from pathlib import Path
 import zmq
 
 from bench import REPO, child_env
+from services.launcher_children import die_with_parent
 from services.launcher_redis import redis_command, redis_ping
 from shared.probes import free_port
+from services.adapter_store.client import StoreClient
 from shared.wire import AdapterRegistered, Ping, Pong, RegisterAdapter, StoreError, decode, encode
 
 # Registrations sent before their answers are read: enough to keep the store's registration threads busy.
@@ -27,14 +28,6 @@ STOP_TIMEOUT_S = 30.0
 
 
 # ---- processes ----------------------------------------------------------------------------------------
-
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when this process dies, so a killed benchmark leaks no store."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
 
 def _stop(proc: subprocess.Popen | None, timeout_s: float = STOP_TIMEOUT_S) -> None:
     if proc is None or proc.poll() is not None:
@@ -70,7 +63,7 @@ class Services:
         redis_dir.mkdir(parents=True)
         port = free_port()
         self.redis = subprocess.Popen(redis_command(redis_dir, port, "always"), stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                      stderr=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
         url = f"redis://127.0.0.1:{port}/0"
         deadline = time.monotonic() + 30
         while not self._redis_up(url):
@@ -87,7 +80,7 @@ class Services:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "wb")
         self.store = subprocess.Popen(cmd, cwd=REPO, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                      env=child_env(PYTHONUNBUFFERED="1"), preexec_fn=_die_with_parent)
+                                      env=child_env(PYTHONUNBUFFERED="1"), preexec_fn=die_with_parent(os.getpid()))
 
     @staticmethod
     def _redis_up(url: str) -> bool:
@@ -132,39 +125,22 @@ def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
-def send_request(sock: zmq.Socket, msg) -> None:
-    """Send `msg` under a fresh call_id, the one its answer carries."""
-    msg.call_id = uuid.uuid4().hex
-    sock.send_multipart(encode(msg))
-
-
-def request(sock: zmq.Socket, msg, timeout_s: float):
-    """One request and its answer (the answers of earlier calls that are still arriving are skipped)."""
-    send_request(sock, msg)
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000) + 1):
-        reply = decode(sock.recv_multipart())
-        if getattr(reply, "call_id", "") == msg.call_id:
-            if isinstance(reply, StoreError):
-                raise RuntimeError(f"store refused {type(msg).__name__}: {reply.status} {reply.code}: {reply.message}")
-            return reply
-    raise TimeoutError(f"adapter store did not answer {type(msg).__name__} within {timeout_s:g}s")
-
-
-def wait_ready(sock: zmq.Socket, services: Services) -> Pong:
+def wait_ready(control: StoreClient, services: Services) -> Pong:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if services.store.poll() is not None:
             raise RuntimeError(f"adapter store exited with {services.store.returncode}:\n{services.log_tail()}")
         try:
-            return request(sock, Ping(), 1.0)
+            return control.call(Ping(), 1.0)
         except TimeoutError:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"adapter store not ready in {START_TIMEOUT_S:g}s:\n{services.log_tail()}") from None
 
 
-def register_all(sock: zmq.Socket, root: Path, names: list[str], progress: bool) -> float:
-    """Register every name by its folder's server path, REGISTER_WINDOW at a time; seconds taken."""
+def register_all(control: StoreClient, root: Path, names: list[str], progress: bool) -> float:
+    """Register every name by its folder's server path, REGISTER_WINDOW at a time on the client's socket (its
+    one-at-a-time `call` would leave the store's registration threads idle); seconds taken."""
+    sock = control.socket
     from tqdm import tqdm
 
     started = time.monotonic()

@@ -22,7 +22,9 @@ log = get_logger("launcher")
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """preexec_fn: the kernel sends the child SIGTERM when `parent_pid` dies (Linux PR_SET_PDEATHSIG), so no
+    child outlives the process that started it."""
     def preexec() -> None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -64,7 +66,7 @@ class Child:
         if self.before_start is not None:
             self.before_start(self)
         self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, start_new_session=True,
-                                     preexec_fn=_die_with_parent(os.getpid()))
+                                     preexec_fn=die_with_parent(os.getpid()))
         self.started_at = time.monotonic()
         self.is_ready = False
         log.info("child.started", child=self.name, pid=self.proc.pid)
