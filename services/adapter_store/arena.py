@@ -136,9 +136,6 @@ class Arena:
         offset, nbytes = self._reserved.pop(adapter)
         self.ranges.free(offset, nbytes)
 
-    def reserved(self, adapter: str) -> bool:
-        return adapter in self._reserved
-
     def put(self, adapter: str, packed: PackedAdapter, keep: frozenset[str] = frozenset()) -> ArenaEntry:
         """Place an adapter's rows (no-op if already resident), evicting unpinned adapters as needed,
         except those in keep (more urgent prefetches)."""

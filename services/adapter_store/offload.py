@@ -27,8 +27,9 @@ class Offloaded:
 
 @dataclass
 class Join:
-    """A handler's answer for an acquire of an adapter already being read from disk: the caller is answered
-    when that read is laid in (one read of each adapter, however many workers and hints ask at once)."""
+    """A handler's answer for an acquire that must wait on a read under way: of its own adapter (answered
+    once that read is laid in: one read of each adapter, however many workers and hints ask at once), or for
+    a free load thread (the store's LOAD_QUEUE key: asked again, in order, as each read ends)."""
 
     adapter: str
 

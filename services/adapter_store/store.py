@@ -17,7 +17,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -48,6 +50,18 @@ log = get_logger("adapter_store")
 LOAD_QUEUE = ""
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@contextmanager
+def arena_refusals() -> Iterator[None]:
+    """The arena's refusals as the store's 507 answers: too small ever, or full for now (every byte pinned
+    or being loaded: workers ask again shortly)."""
+    try:
+        yield
+    except ArenaTooSmall as e:
+        raise StoreRefusal(507, "arena_too_small", str(e), "adapter") from None
+    except ArenaFull as e:
+        raise StoreRefusal(507, "arena_full", str(e), "adapter") from None
 
 
 def engine_dtype(name: str) -> torch.dtype:
@@ -282,19 +296,12 @@ class AdapterStore:
             raise not_found(aid, "adapter")
         # Module ranks from the card (exact unless ranks vary by layer; then the rows are laid in on the loop).
         ranks = tuple(card.rank if m in card.target_modules else 0 for m in MODULES)
-        dest = self._reserve(aid, packed_nbytes(ranks, self.model, self.slot_width, self.dtype))
+        with arena_refusals():
+            dest = self.arena.reserve(aid, packed_nbytes(ranks, self.model, self.slot_width, self.dtype))
         self.loading[aid] = []
         self.reading += 1
         return Offloaded(lambda: self._load_into(aid, dest), lambda loaded: self._finish_acquire(msg, loaded),
                          pool="load", reads=(aid, LOAD_QUEUE))
-
-    def _reserve(self, aid: str, nbytes: int):
-        try:
-            return self.arena.reserve(aid, nbytes)
-        except ArenaTooSmall as e:
-            raise StoreRefusal(507, "arena_too_small", str(e), "adapter") from None
-        except ArenaFull as e:  # every byte pinned or being loaded: workers may ask again shortly
-            raise StoreRefusal(507, "arena_full", str(e), "adapter") from None
 
     def _load_into(self, aid: str, dest) -> tuple[PackedAdapter, bool] | Exception:
         """On a load thread: the adapter packed into its reserved range (True), or into memory of its own
@@ -394,12 +401,8 @@ class AdapterStore:
         return weights
 
     def _put(self, aid: str, packed, keep: frozenset[str] = frozenset()) -> None:
-        try:
+        with arena_refusals():
             self.arena.put(aid, packed, keep=keep)
-        except ArenaTooSmall as e:
-            raise StoreRefusal(507, "arena_too_small", str(e), "adapter") from None
-        except ArenaFull as e:  # every byte pinned by adapters being read: workers may ask again shortly
-            raise StoreRefusal(507, "arena_full", str(e), "adapter") from None
         log.info("adapter_loaded", adapter=aid, bytes=packed.nbytes)
 
     def warm(self, msg: WarmAdapters) -> Offloaded | None:
