@@ -226,8 +226,8 @@ class ArenaAdapterLoader:
         # The engine may ask again for an adapter it could not fit yet; the pinned bytes have not moved,
         # so the same view is handed out without a second pin.
         self.pinned: dict[str, PackedAdapter] = {}
-        self.pending: dict[str, str] = {}  # adapter -> call_id of a prefetch acquire not answered yet
-        self.pending_since: dict[str, float] = {}  # adapter -> when that acquire was sent
+        # adapter -> (call_id, when it was sent) of an acquire not answered yet
+        self.pending: dict[str, tuple[str, float]] = {}
         self.prefetched: dict[str, float] = {}  # adapter -> time its unused prefetch pin lapses
         # What the store said (or failed to say in time) to an acquire `ready` started: the engine's next
         # load of that adapter raises it, so its request fails with the store's reason, without a second wait.
@@ -241,8 +241,7 @@ class ArenaAdapterLoader:
             raise failure
         packed = self.pinned.get(adapter)
         if packed is None:
-            self.pending_since.pop(adapter, None)
-            call_id = self.pending.pop(adapter, None) or self.store.start(adapter)
+            call_id = self.pending.pop(adapter, (None, 0.0))[0] or self.store.start(adapter)
             packed = self._pin(adapter, self.store.wait(call_id))
         self.prefetched.pop(adapter, None)
         return packed
@@ -253,7 +252,7 @@ class ArenaAdapterLoader:
         a step never waits on the disk reads of adapters that are not in the host arena yet."""
         if adapter in self.pinned or adapter in self.failed:
             return True
-        call_id = self.pending.get(adapter)
+        call_id, sent_at = self.pending.get(adapter, (None, 0.0))
         if call_id is None:
             # The arena was full a moment ago: asking at every step would only have the store read the
             # adapter from disk again and again for nothing.
@@ -268,9 +267,9 @@ class ArenaAdapterLoader:
                 self._polled_at = now
                 self.store.poll(0.0)
             if call_id not in self.store.results:
-                reason = self._overdue(adapter, now)
+                reason = self._overdue(now - sent_at)
                 if reason:  # lost with a store that died, or stuck: give up on it
-                    self._forget_pending(adapter)
+                    del self.pending[adapter]
                     self.store.abandoned.add(call_id)
                     self.failed[adapter] = AdapterUnavailable(reason)
                     return True
@@ -286,12 +285,11 @@ class ArenaAdapterLoader:
             self.failed[adapter] = error  # the engine's load raises it: the request fails with this reason
         return True
 
-    def _overdue(self, adapter: str, now: float) -> str:
+    def _overdue(self, waited: float) -> str:
         """Why a started acquire is given up on ("" while it may still come). A busy store answers in turn:
         loads from disk queue behind each other when many adapters miss the arena at once, so an acquire
         waits as long as the store keeps answering other calls, up to `load_timeout_s`; it fails after
         the acquire timeout only when the store has answered nothing for that long (died or stuck)."""
-        waited = now - self.pending_since.get(adapter, now)
         if waited <= self.store.timeout_s:
             return ""
         if time.monotonic() - self.store.answered_at > self.store.timeout_s:
@@ -303,7 +301,7 @@ class ArenaAdapterLoader:
     def _settle(self, adapter: str, call_id: str) -> Exception | None:
         """Take the store's answer to a started acquire: the adapter pinned and held as a prefetch until the
         engine takes it or its grace period lapses, or why it could not be."""
-        self._forget_pending(adapter)
+        del self.pending[adapter]
         try:
             self._pin(adapter, self.store.result(call_id))
         except (KeyError, ValueError) as e:
@@ -317,15 +315,10 @@ class ArenaAdapterLoader:
             if self.pinned.pop(adapter, None) is not None:
                 self.store.release(adapter)
 
-    def _forget_pending(self, adapter: str) -> None:
-        self.pending.pop(adapter, None)
-        self.pending_since.pop(adapter, None)
-
     def prefetch(self, adapter: str) -> None:
         """Start acquiring an adapter without waiting; `collect` picks up the answer."""
         if adapter not in self.pinned and adapter not in self.pending:
-            self.pending[adapter] = self.store.start(adapter)
-            self.pending_since[adapter] = self.clock()
+            self.pending[adapter] = (self.store.start(adapter), self.clock())
 
     def collect(self) -> list[str]:
         """Pin the prefetches the store has answered; returns the adapters now ready to copy."""
@@ -333,7 +326,7 @@ class ArenaAdapterLoader:
             return []
         self.store.poll(0.0)
         ready = []
-        for adapter, call_id in list(self.pending.items()):
+        for adapter, (call_id, _) in list(self.pending.items()):
             if call_id not in self.store.results:
                 continue
             error = self._settle(adapter, call_id)
