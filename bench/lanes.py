@@ -73,7 +73,8 @@ def sweep_on_gpus(driver, spec_path: str, gpus: list[int], work_dir: Path, out_d
     from bench.driver import ADAPTER_SYSTEMS, MORE_PIECES, done_keys, expand, point_key
 
     points = expand(driver.spec)
-    todo = [p for p in points if point_key(p) not in done_keys(driver.results, since)]
+    done = done_keys(driver.results, since)  # read once: the results file may be long
+    todo = [p for p in points if point_key(p) not in done]
     n = max((p.n_adapters for p in todo if p.system in ADAPTER_SYSTEMS), default=0)
     if n:
         population = driver.population(n)  # one writer: lanes would race on the same names
@@ -84,7 +85,8 @@ def sweep_on_gpus(driver, spec_path: str, gpus: list[int], work_dir: Path, out_d
     argvs = [lane_argv(spec_path, gpu, i, len(gpus), budget, work_dir, out_dir, since, quiet)
              for i, gpu in enumerate(gpus)]
     codes = run_lanes(argvs, [f"gpu{gpu}" for gpu in gpus])
-    remaining = sum(point_key(p) not in done_keys(driver.results, since) for p in points)
+    done = done_keys(driver.results, since)
+    remaining = sum(point_key(p) not in done for p in points)
     sys.stdout.write(f"{driver.spec.name}: {len(points) - remaining} of {len(points)} points in {driver.results} "
                      f"(lanes exited {codes})\n")
     if any(code not in (0, MORE_PIECES) for code in codes):
