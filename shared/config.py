@@ -14,6 +14,10 @@ def doc_field(text: str, default):
 _doc = doc_field
 
 LORA_MODES = ("unified", "bmm", "merge")
+# Resident table rows when not set: a row costs max_slots int32s on the GPU (11 KB for a rank-256 row of
+# Llama-2-7B shapes, 46 MB for all), and capping residents at the running batch made a worker copy adapters in
+# again and again at n = 2000 while its pool had room for ~750 more (docs/benchmarks.md).
+DEFAULT_RESIDENT_ADAPTERS = 4096
 
 
 @dataclass
@@ -25,9 +29,10 @@ class EngineConfig:
     num_slots: int = _doc("slots in the unified pool (KV tokens and adapter rows share them); 0 = size from pool_memory_fraction", 4096)
     pool_memory_fraction: float = _doc("fraction of free GPU memory for the pool when num_slots is 0", 0.85)
     max_lora_rank: int = _doc("largest adapter rank accepted", 256)
-    max_resident_adapters: int = _doc("adapters kept in the pool at once (resident table rows); 0 = as many as "
-                                      "max_running_requests, so a batch of requests each with its own adapter can run "
-                                      "whole", 0)
+    max_resident_adapters: int = _doc("adapters kept in the pool at once (resident table rows); 0 = "
+                                      f"{DEFAULT_RESIDENT_ADAPTERS} (at least max_running_requests): unused ones stay "
+                                      "until KV or another adapter needs their slots, so the pool, not this, bounds "
+                                      "them", 0)
     max_running_requests: int = _doc("requests in the running batch at most", 256)
     max_batched_tokens: int = _doc("tokens per step at most (prefill chunks + decodes)", 2048)
     admission_batch: int = _doc("with a full running batch, admit waiting requests once this many places are free "
@@ -53,9 +58,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.max_resident_adapters == 0:
-            self.max_resident_adapters = self.max_running_requests
+            self.max_resident_adapters = max(DEFAULT_RESIDENT_ADAPTERS, self.max_running_requests)
         if self.max_resident_adapters < 0:
-            raise ValueError(f"max_resident_adapters must be >= 0 (0 = max_running_requests), got "
+            raise ValueError(f"max_resident_adapters must be >= 0 (0 = the default), got "
                              f"{self.max_resident_adapters}")
         if self.lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode must be one of {', '.join(LORA_MODES)}, got {self.lora_mode!r}")

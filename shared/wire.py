@@ -179,6 +179,7 @@ class WorkerStatus(Message):
     adapter_loads: int = 0  # adapters copied into the GPU pool since the worker started
     adapter_load_bytes: int = 0  # bytes of those copies
     preemptions: int = 0  # running requests preempted (KV freed, recomputed later) since the worker started
+    evictable_slots: int = 0  # adapter slots of unused resident adapters, KV's on demand (unified pool)
 
 
 @record

@@ -399,6 +399,10 @@ class Engine:
         return {
             "total_slots": pool.num_slots,
             "free_slots": pool.num_free,
+            # Unused adapters stay resident until their slots are wanted: in the unified pool those slots
+            # are KV's on demand, and the scheduler must count them or it stops sending work to a pool that
+            # is full of them.
+            "evictable_slots": self.adapters.unused_slots if pool.unified else 0,
             "adapter_slots": adapter_slots,
             "kv_slots": pool.num_used - adapter_slots,
             "running": len(self.running),

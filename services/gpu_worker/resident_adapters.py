@@ -60,6 +60,10 @@ class ResidentAdapters:
         )
         self._by_name: dict[str, Resident] = {}
         self._unused: OrderedDict[str, None] = OrderedDict()
+        # Slots of the unused adapters, kept as they change: admission asks for it per waiting request, and
+        # thousands of adapters may stay resident.
+        self._unused_slots = 0
+        self._slots_in_use = 0  # reported every step
         self._free_ids = list(range(max_resident - 1, -1, -1))
         # Adapters fetched to learn their size but not yet admitted; acquire() takes them from here so the
         # loader runs once per load.
@@ -98,11 +102,11 @@ class ResidentAdapters:
 
     @property
     def slots_in_use(self) -> int:
-        return sum(len(r.slots) for r in self._by_name.values())
+        return self._slots_in_use
 
     @property
     def unused_slots(self) -> int:
-        return sum(len(self._by_name[n].slots) for n in self._unused)
+        return self._unused_slots
 
     def ready(self, name: str) -> bool:
         """Whether admitting a request of `name` now would not wait on the loader (resident, staged, or the
@@ -161,9 +165,12 @@ class ResidentAdapters:
             t.b_off[rid] = torch.tensor(packed.b_off, dtype=torch.int32)
             res = Resident(name, rid, slots, packed.ranks)
             self._by_name[name] = res
+            self._slots_in_use += need
             self.loads += 1
             self.bytes_loaded += packed.nbytes
-        self._unused.pop(name, None)
+        if name in self._unused:
+            del self._unused[name]
+            self._unused_slots -= len(res.slots)
         res.refcount += 1
         return res
 
@@ -172,6 +179,7 @@ class ResidentAdapters:
         res.refcount -= 1
         if res.refcount == 0:
             self._unused[name] = None
+            self._unused_slots += len(res.slots)
 
     def evict_until(self, free_slots: int) -> bool:
         """Evict unused adapters (LRU first) until `free_slots` KV slots are free. With a separate adapter
@@ -202,6 +210,8 @@ class ResidentAdapters:
     def _evict(self, name: str) -> None:
         del self._unused[name]
         res = self._by_name.pop(name)
+        self._unused_slots -= len(res.slots)
+        self._slots_in_use -= len(res.slots)
         self.pool.adapter_allocator.free(res.slots)
         self.tables.ranks[res.resident_id] = 0
         self._free_ids.append(res.resident_id)

@@ -21,7 +21,7 @@ class WorkerView:
 
     worker_id: str
     free_requests: int = 0  # more requests it can take now
-    free_slots: int = 0  # pool slots not holding KV or adapter rows
+    free_slots: int = 0  # pool slots not holding KV or rows of adapters in use (unused ones are evicted for KV)
     resident: set[str] = field(default_factory=set)  # adapters in its GPU pool
     hinted: set[str] = field(default_factory=set)  # adapters it was asked to prefetch
     running: Counter = field(default_factory=Counter)  # adapter -> requests assigned and not finished

@@ -77,7 +77,7 @@ class WorkerState:
         return WorkerView(
             self.worker_id,
             free_requests=free_requests,
-            free_slots=status.free_slots - self.sent_slots,
+            free_slots=status.free_slots + status.evictable_slots - self.sent_slots,
             resident=set(status.resident_adapters),
             hinted=set(self.hinted),
             running=Counter(self.running),

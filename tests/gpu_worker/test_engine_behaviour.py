@@ -192,12 +192,12 @@ def test_admission_batch_must_be_a_positive_integer(value):
         EngineConfig(admission_batch=value)
 
 
-def test_resident_adapters_default_to_the_running_batch(model_dir):
+def test_resident_rows_are_at_least_the_running_batch(model_dir):
     # A batch of requests each with its own adapter runs whole: a resident row for each.
-    assert EngineConfig().max_resident_adapters == EngineConfig().max_running_requests
-    assert EngineConfig(max_running_requests=12).max_resident_adapters == 12
+    assert EngineConfig(max_running_requests=8192).max_resident_adapters == 8192
     assert EngineConfig(max_running_requests=12, max_resident_adapters=5).max_resident_adapters == 5
     with pytest.raises(ValueError, match="max_resident_adapters must be >= 0"):
         EngineConfig(max_resident_adapters=-1)
-    engine = engine_for(model_dir, max_running_requests=6)
+    engine = engine_for(model_dir, max_running_requests=6, max_resident_adapters=6)
     assert engine.adapters.tables.ranks.shape[0] == 6
+    assert engine_for(model_dir, max_running_requests=6).adapters.tables.ranks.shape[0] == 4096

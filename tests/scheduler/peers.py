@@ -58,10 +58,12 @@ class Peer:
 
 
 def status(worker_id: str, step: int = 0, free_slots: int = 10_000, resident=(), finished=(), running: int = 0,
-           waiting: int = 0, max_running: int = 8, ready: bool = True, backlog: int = 0) -> WorkerStatus:
+           waiting: int = 0, max_running: int = 8, ready: bool = True, backlog: int = 0,
+           evictable_slots: int = 0) -> WorkerStatus:
     return WorkerStatus(worker_id=worker_id, step=step, total_slots=10_000, free_slots=free_slots, kv_slots=0,
                         adapter_slots=0, running=running, waiting=waiting, resident_adapters=list(resident),
-                        finished_request_ids=list(finished), ready=ready, max_running=max_running, backlog=backlog)
+                        finished_request_ids=list(finished), ready=ready, max_running=max_running, backlog=backlog,
+                        evictable_slots=evictable_slots)
 
 
 def submit(rid, adapter=None, prompt=(1, 2, 3), tenant="", max_tokens=4):

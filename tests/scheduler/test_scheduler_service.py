@@ -47,6 +47,20 @@ def test_pull_model_respects_reported_capacity(start):
     assert [r.request_id for r in wk.recv(Assign).requests] == ["r2"]
 
 
+def test_slots_of_unused_adapters_count_as_room_for_prompts(start):
+    # A pool full of adapters no request uses is not full: the worker evicts them for KV on demand.
+    sched = start()
+    gw = sched.gateway()
+    wk = sched.worker("w0", max_running=4)
+    gw.send(submit("r0"))
+    assert wk.assigned(1) == ["r0"]
+    wk.send(status("w0", step=1, max_running=4, running=1, free_slots=2))
+    gw.send(submit("r1", prompt=(1, 2, 3, 4, 5, 6)))
+    assert wk.quiet(Assign)  # 2 free slots cannot take a 6-token prompt
+    wk.send(status("w0", step=2, max_running=4, running=1, free_slots=2, evictable_slots=500))
+    assert [r.request_id for r in wk.recv(Assign).requests] == ["r1"]
+
+
 def test_a_worker_admitting_in_rounds_gets_its_backlog_on_top_of_its_batch(start):
     sched = start()
     gw = sched.gateway()
