@@ -361,7 +361,10 @@ class Driver:
         pending = self.my_share([(key, group) for key, group in pending if group])
         remaining = sum(len(g) for _, g in pending)
         result = PieceResult(ran=[], remaining=remaining, total=len(points))
-        note(f"sweep {self.spec.name}: {len(points) - remaining} of {len(points)} points done, {remaining} to run, "
+        n_done = sum(point_key(p) in done for p in points)
+        i, n = self.shard
+        share = f", {remaining} of them in this lane's share ({i}/{n})" if n > 1 else ""
+        note(f"sweep {self.spec.name}: {n_done} of {len(points)} points done, {len(points) - n_done} to run{share}, "
              f"budget {self.budget_s:g} s")
         if not pending:
             return result

@@ -246,6 +246,8 @@ def test_a_sweep_spread_over_two_gpus_runs_each_point_once_in_its_own_lane(tmp_p
     assert sorted((x["n_adapters"], x["lane"]) for x in lines) == [(2, "gpu0"), (3, "gpu1")]
     assert all(x["n_completed"] > 0 for x in lines)
     assert "[gpu0]" in first.stderr and "[gpu1]" in first.stderr
+    # Each lane counts the sweep's points, then its own share.
+    assert "[gpu1] sweep tiny-two: 0 of 2 points done, 2 to run, 1 of them in this lane's share (1/2)" in first.stderr
     assert "2 of 2 points" in first.stdout
     data = sorted(d.name for d in (work / "data").iterdir())
     assert data == ["tiny-s0-gpu0", "tiny-s0-gpu1"], data  # a registry and blobs per lane
