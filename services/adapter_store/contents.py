@@ -53,6 +53,10 @@ def check_fingerprint(model: ModelConfig, max_rank: int) -> str:
     return h.hexdigest()[:32]
 
 
+class BlobGone(Exception):
+    """The blob of a content a registration only hashed is not stored (deleted meanwhile): read its bytes."""
+
+
 class _Hold:
     __slots__ = ("count", "write_lock")
 
@@ -78,6 +82,11 @@ class ContentTable:
             self._checked.move_to_end(sha256)
             while len(self._checked) > MAX_REMEMBERED:
                 self._checked.popitem(last=False)
+
+    def facts(self, sha256: str) -> ContentFacts | None:
+        """The facts of a content known to have passed its checks, or None."""
+        with self._lock:
+            return self._checked.get(sha256)
 
     def checked(self, sha256: str, check: Callable[[], ContentFacts]) -> ContentFacts:
         """The facts of a content that passed its checks, running `check` unless this content passed
@@ -110,9 +119,10 @@ class ContentTable:
                 del self._checking[sha256]
 
     # ---- blobs and holds
-    def hold(self, sha256: str, config_json: bytes, model_safetensors: bytes) -> bool:
+    def hold(self, sha256: str, config_json: bytes, model_safetensors: bytes | None) -> bool:
         """Keep the blob of this content until release(), writing it from these bytes (whose sha256 the
-        caller computed) unless it is stored already; True when this call wrote it."""
+        caller computed) unless it is stored already; True when this call wrote it. A caller that only
+        hashed the content (model_safetensors None) gets BlobGone, and no hold, if the blob is missing."""
         with self._lock:
             hold = self._holds.get(sha256)
             if hold is None:
@@ -122,6 +132,8 @@ class ContentTable:
             with hold.write_lock:  # one writer per content; the others find it stored
                 if self.blobs.exists(sha256):
                     return False
+                if model_safetensors is None:
+                    raise BlobGone(sha256)
                 self.blobs.put(config_json, model_safetensors, sha256=sha256)
                 return True
         except BaseException:

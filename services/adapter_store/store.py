@@ -36,7 +36,7 @@ from .arena import Arena, ArenaFull, ArenaTooSmall
 from .blob_tensors import stored_tensors
 from .blobs import BlobStore, pair_hasher
 from .config import StoreConfig
-from .contents import ContentFacts, ContentTable, check_fingerprint
+from .contents import BlobGone, ContentFacts, ContentTable, check_fingerprint
 from .errors import StoreRefusal, bad_request, not_found
 from .offload import Join, Offloaded
 from .registry import RegisterResult, Registry
@@ -141,17 +141,26 @@ class AdapterStore:
     def register(self, msg: RegisterAdapter) -> Offloaded:
         return Offloaded(lambda: self.prepare_registration(msg), lambda prepared: self.finish_registration(prepared, msg.call_id))
 
-    def prepare_registration(self, msg: RegisterAdapter) -> PreparedRegistration:
+    def prepare_registration(self, msg: RegisterAdapter, read_all: bool = False) -> PreparedRegistration:
         """On a pool thread: every check, the blob and the registry entry. Touches neither the arena nor
-        the loop's tables; safe to run for many registrations at once."""
+        the loop's tables; safe to run for many registrations at once. A path whose content passed its
+        checks and is stored already is only hashed (read_all=False), never copied into memory: bulk
+        registration of many names for few weight sets then costs a hash pass per name."""
         name = check_name(msg.name)
         tenant = check_tenant(msg.tenant)
         # Where a registration's time goes, in its log line: reading and hashing, the content checks, then
         # the blob and the registry's durable writes (bulk registration rates depend on which dominates).
         t0 = time.monotonic()
-        config_json, model_st, sha = self._read_hashed(msg)
+        known = None if read_all else self._hashed_known(msg)
+        if known is not None:
+            config_json, model_size, sha, facts = known
+            model_st, checked = None, None
+        else:
+            config_json, model_st, sha = self._read_hashed(msg)
+            model_size = len(model_st)
         t1 = time.monotonic()
-        facts, checked = self._checked(sha, config_json, model_st)
+        if known is None:
+            facts, checked = self._checked(sha, config_json, model_st)
         t2 = time.monotonic()
         aid = adapter_id(tenant, name, sha)
 
@@ -162,8 +171,11 @@ class AdapterStore:
 
         canonical = canonical_config(config_json)
         card = AdapterCard(id=aid, name=name, tenant=tenant, rank=facts.rank, target_modules=list(facts.target_modules),
-                           sha256=sha, bytes=len(canonical) + len(model_st), created=time.time(), status="ready")
-        wrote = self.contents.hold(sha, canonical, model_st)
+                           sha256=sha, bytes=len(canonical) + model_size, created=time.time(), status="ready")
+        try:
+            wrote = self.contents.hold(sha, canonical, model_st)
+        except BlobGone:  # deleted since it was seen: read the bytes to store it again
+            return self.prepare_registration(msg, read_all=True)
         try:
             result = self.registry.register(card, checked_for=self.contents.fingerprint)
         finally:
@@ -173,13 +185,29 @@ class AdapterStore:
                 self.contents.delete_blob(sha)
             return PreparedRegistration(aid, result=result)
         log.info("adapter_registered", adapter=aid, tenant=tenant, rank=card.rank, bytes=card.bytes,
-                 checked=checked is not None, blob_written=wrote, read_s=round(t1 - t0, 4),
+                 checked=checked is not None, hashed_only=known is not None, blob_written=wrote, read_s=round(t1 - t0, 4),
                  check_s=round(t2 - t1, 4), store_s=round(time.monotonic() - t2, 4))
         packed = None
         if checked is not None:  # lay it out for the workers: the first request that uses it needs no disk read
             checked.weights.name = aid
             packed = pack_adapter(checked.weights, self.model, self.slot_width, self.dtype)
         return PreparedRegistration(aid, result=result, packed=packed)
+
+    def _hashed_known(self, msg: RegisterAdapter) -> tuple[bytes, int, str, ContentFacts] | None:
+        """For a path registration whose content passed its checks under this model and is stored: its config,
+        model file size, sha256 and facts, from one hash pass; None otherwise (the caller reads it all)."""
+        if msg.path is None or msg.config_json is not None or msg.model_safetensors is not None:
+            return None
+        folder = resolve_under_root(msg.path, self.cfg.allowed_root)
+        config_json, model_size, hasher = read_adapter_dir(folder, self.cfg.allowed_root, self.cfg.max_upload_bytes,
+                                                           _content_hasher, keep=False)
+        if hasher is None:
+            return None
+        sha = hasher.hexdigest()
+        facts = self.contents.facts(sha)
+        if facts is None or not self.blobs.exists(sha):
+            return None
+        return config_json, model_size, sha, facts  # the read kept config + model under the upload limit
 
     def _read_hashed(self, msg: RegisterAdapter) -> tuple[bytes, bytes | bytearray, str]:
         """The adapter's two files, from the message or read from its folder, and their sha256."""

@@ -101,12 +101,14 @@ READ_CHUNK = 1 << 20  # hashed while still in cache from the read
 
 
 def read_adapter_dir(folder: Path, root: str, limit: int,
-                     start_hash: Callable[[bytes], Any] | None = None) -> tuple[bytes, bytearray, Any]:
+                     start_hash: Callable[[bytes], Any] | None = None, keep: bool = True) -> tuple[bytes, Any, Any]:
     """The two adapter files of a folder under the root, each checked for escapes and size before reading.
 
     The model file is read in chunks into one buffer; `start_hash(config bytes)` may return a hash object,
     which is fed each chunk as it arrives (the content is hashed in the same pass as it is read). Returns
-    (config bytes, model bytes, that hash object or None)."""
+    (config bytes, model bytes, that hash object or None). With keep=False the model file is only hashed,
+    through one chunk-sized buffer, and its size in bytes stands in for its bytes: a registration of
+    content the store holds already (hard-linked copies under many names) needs its hash, not a copy."""
     real_root = Path(root).resolve(strict=True)
     if not (folder / MODEL_FILE).exists():
         pickled = [p for p in PICKLE_FILES if (folder / p).exists()]
@@ -114,11 +116,17 @@ def read_adapter_dir(folder: Path, root: str, limit: int,
             raise bad_request("pickle_refused", f"{pickled[0]} is a pickle format and is never loaded; provide {MODEL_FILE}", "path")
     config_json = _read_under_root(folder, CONFIG_FILE, real_root, limit, limit, None)
     hasher = start_hash(bytes(config_json)) if start_hash is not None else None
-    model = _read_under_root(folder, MODEL_FILE, real_root, limit - len(config_json), limit, hasher)
+    budget = limit - len(config_json)
+    if keep:
+        model = _read_under_root(folder, MODEL_FILE, real_root, budget, limit, hasher)
+    else:
+        model = _hash_under_root(folder, MODEL_FILE, real_root, budget, limit, hasher)
     return bytes(config_json), model, hasher
 
 
-def _read_under_root(folder: Path, fname: str, real_root: Path, budget: int, limit: int, hasher) -> bytearray:
+def _open_under_root(folder: Path, fname: str, real_root: Path, budget: int, limit: int):
+    """The file, opened read-only once it is known to lie under the root and be a regular file no larger
+    than the budget; and the refusal to raise should it turn out larger while read."""
     real = _resolved_within(folder / fname, real_root,
                             bad_request("invalid_adapter", f"{fname} is missing from the adapter folder", "path"),
                             f"{fname} links outside the allowed root")
@@ -127,14 +135,24 @@ def _read_under_root(folder: Path, fname: str, real_root: Path, budget: int, lim
     # O_NONBLOCK: a FIFO put in the file's place is refused below instead of holding a registration thread
     # until someone writes to it (it changes nothing for a regular file).
     fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    f = os.fdopen(fd, "rb", buffering=0)
+    try:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise bad_request("invalid_adapter", f"{fname} is not a regular file", "path")
         if st.st_size > budget:
             raise too_large
+    except BaseException:
+        f.close()
+        raise
+    return f, st.st_size, too_large
+
+
+def _read_under_root(folder: Path, fname: str, real_root: Path, budget: int, limit: int, hasher) -> bytearray:
+    f, size, too_large = _open_under_root(folder, fname, real_root, budget, limit)
+    with f:
         # One byte over the size seen, to notice a file that grew since it was checked.
-        data = bytearray(st.st_size + 1)
+        data = bytearray(size + 1)
         view = memoryview(data)
         n = 0
         while n < len(data):
@@ -157,6 +175,24 @@ def _read_under_root(folder: Path, fname: str, real_root: Path, budget: int, lim
         raise too_large
     del data[n:]
     return data
+
+
+def _hash_under_root(folder: Path, fname: str, real_root: Path, budget: int, limit: int, hasher) -> int:
+    """Bytes in the file, each fed to `hasher` through one reused chunk buffer (no copy of the file)."""
+    f, _, too_large = _open_under_root(folder, fname, real_root, budget, limit)
+    chunk = memoryview(bytearray(READ_CHUNK))
+    n = 0
+    with f:
+        while n <= budget:
+            got = f.readinto(chunk)
+            if not got:
+                break
+            if hasher is not None:
+                hasher.update(chunk[:got])
+            n += got
+    if n > budget:
+        raise too_large
+    return n
 
 
 @dataclass

@@ -157,6 +157,28 @@ def test_a_shared_blob_outlives_all_but_the_last_of_its_names(
     assert re.search(r"adapter_registered .*adapter=fourth@\S+ .*blob_written=True .*checked=False", stopped_log(store))
 
 
+def test_a_known_content_under_a_new_name_is_hashed_not_copied(store, store_client, allowed_root, distinct):
+    first = store_client.call(RegisterAdapter("one", path=str(distinct[0]))).card
+    second = store_client.call(RegisterAdapter("two", path=str(linked(allowed_root, distinct[0], "two")))).card
+    other = store_client.call(RegisterAdapter("three", path=str(distinct[1]))).card
+    assert second.sha256 == first.sha256 != other.sha256
+    assert second.bytes == first.bytes and second.rank == first.rank == RANKS[0]
+    log = stopped_log(store)
+    assert re.search(r"adapter_registered .*adapter=one@\S+ .*checked=True hashed_only=False", log)
+    assert re.search(r"adapter_registered .*adapter=two@\S+ .*checked=False hashed_only=True", log)
+    assert re.search(r"adapter_registered .*adapter=three@\S+ .*checked=True hashed_only=False", log)
+
+
+def test_holding_a_missing_blob_without_its_bytes_asks_for_them(tmp_path):
+    from services.adapter_store.blobs import BlobStore
+    from services.adapter_store.contents import BlobGone, ContentTable
+
+    contents = ContentTable(BlobStore(tmp_path), "fp", lambda sha: 0)
+    with pytest.raises(BlobGone):
+        contents.hold("ab" * 32, b"{}", None)
+    assert contents.delete_blob("ab" * 32)  # no hold was left behind
+
+
 def test_a_bad_adapter_in_a_bulk_registration_fails_alone_with_its_reason(store, store_client, allowed_root, distinct):
     folders = {f"good-{i:02d}": linked(allowed_root, distinct[i % 3], f"good-{i:02d}") for i in range(12)}
     # Non-finite weights, twice (two names of one bad content, checked at the same time).
