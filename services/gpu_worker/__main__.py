@@ -65,11 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = build_engine(worker, engine_config, WithWarmupAdapter(loader, packed) if warm else loader)
     service = None
     try:
+        arena = store.arena_name(timeout_s=ARENA_NAME_TIMEOUT_S) if segments.register_with_cuda else ""
+        segments.populate_at_start(arena)  # its pages fault in while the graphs are captured
         if warm:
             warm_up(engine, cfg)
-        if segments.register_with_cuda:
-            # Before the worker reports ready: pinning a large arena takes seconds (ArenaSegments).
-            segments.pin_at_start(store.arena_name(timeout_s=ARENA_NAME_TIMEOUT_S))
+        # Before the worker reports ready: pinning a large arena takes seconds (ArenaSegments).
+        segments.pin_at_start(arena)
         service = WorkerService(worker, engine, loader, ctx)
         install_signal_handlers(service)
         log.info("worker.started", worker=worker.worker_id, device=str(device), slots=engine.pool.num_slots,

@@ -26,6 +26,7 @@ from shared.wire import (AcquireAdapter, AdapterLocation, Message, Ping, Pong, R
                          StoreError, WireError, decode, encode)
 
 from .adapter_layout import PackedAdapter
+from .page_populate import BackgroundPopulate
 
 log = get_logger(__name__)
 # `ready` reads the store's socket at most this often (it is asked once per waiting request per step).
@@ -50,7 +51,8 @@ class ArenaSegments:
 
     Pinning (cudaHostRegister) a segment faults in and locks every page of it: seconds for tens of GiB,
     during which the worker's loop would be silent and its supervisor would take it for hung. So the
-    segment is pinned while the worker starts (`pin_at_start`, before it reports ready); one first seen
+    segment is pinned while the worker starts (`pin_at_start`, before it reports ready), its pages
+    populated beforehand on other threads while the engine warms up (`populate_at_start`); one first seen
     later (an adapter_store restarted under another segment name) is only mapped, and copies from it are
     staged pageable copies until the worker restarts.
     """
@@ -59,12 +61,25 @@ class ArenaSegments:
         self.register_with_cuda = register_with_cuda
         self._segments: dict = {}
         self._registered: list[int] = []
+        self._populating: dict[str, BackgroundPopulate] = {}
+        self._pinned: set[str] = set()
+
+    def populate_at_start(self, name: str) -> None:
+        """Start faulting in the segment's pages (no CUDA call: safe beside graph capture)."""
+        if name and name not in self._populating and name not in self._pinned:
+            shm = self._segments.get(name) or self._attach(name)
+            self._populating[name] = BackgroundPopulate(name, shm.buf)
 
     def pin_at_start(self, name: str) -> None:
-        if name and name not in self._segments:
-            shm = self._attach(name)
-            if self.register_with_cuda:
-                self._pin(name, shm)
+        if not name or name in self._pinned:
+            return
+        pending = self._populating.pop(name, None)
+        if pending is not None:
+            pending.wait()
+        shm = self._segments.get(name) or self._attach(name)
+        self._pinned.add(name)
+        if self.register_with_cuda:
+            self._pin(name, shm)
 
     def get(self, name: str):
         shm = self._segments.get(name)
@@ -100,6 +115,9 @@ class ArenaSegments:
         log.info("arena.pinned", segment=name, bytes=shm.size, seconds=round(time.monotonic() - started, 2))
 
     def close(self) -> None:
+        for pending in self._populating.values():  # its pages must stay mapped while it runs
+            pending.wait()
+        self._populating.clear()
         for ptr in self._registered:
             try:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
