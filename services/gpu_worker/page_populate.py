@@ -39,6 +39,8 @@ def populate(address: int, size: int, threads: int = POPULATE_THREADS) -> bool:
         madvise = _madvise()
     except (OSError, AttributeError):
         return False
+    if size <= 0:
+        return True
     page = mmap.PAGESIZE
     step = -(-size // threads // page) * page  # whole pages per thread
     failed: list[int] = []

@@ -55,6 +55,10 @@ def test_populate_maps_every_page_and_keeps_the_bytes(segment):
     assert bytes(segment.buf[5:4096]) == bytes(4091)  # the rest still reads as zeros
 
 
+def test_an_empty_range_needs_nothing(segment):
+    assert populate(address_of(segment), 0) is True
+
+
 def test_writes_made_while_populating_all_stay(segment):
     rng = random.Random(3)
     spots = sorted(rng.sample(range(0, segment.size - 8, 8), 4000))
