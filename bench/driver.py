@@ -428,6 +428,7 @@ class Driver:
     def run_group(self, system: str, n: int, policy: str, population, group: list, ceilings: dict | None,
                   result: PieceResult) -> str:
         """Start the group's stack and run its points while they fit; the reason it stopped early, or ""."""
+        from bench.point import PointOverran
         from bench.stack import stack_info
 
         config = self.stack_config(system, n, policy, population)
@@ -450,7 +451,12 @@ class Driver:
             for i, p in enumerate(group):
                 if i > 0 and self.point_estimate(p) + self.spec.stop_s > self.left():
                     return f"the next point needs ~{self.point_estimate(p):.0f} s, {self.left():.0f} s are left"
-                line = self.run_one(stack, p, ceilings, pool_slots, info, population)
+                try:
+                    line = self.run_one(stack, p, ceilings, pool_slots, info, population)
+                except PointOverran as e:
+                    tail = self.timings.get("point_tail", self.timing_key(system), 0.0)
+                    return (f"{point_key(p)} ran past the budget ({e}) and has no line; its tail is now "
+                            f"estimated at >= {tail:.0f} s (a slow system may need a lower request_timeout_s)")
                 result.ran.append(line["key"])
                 note(f"[{len(result.ran)}/{result.remaining}] {summary(line)} ({self.elapsed():.0f}/{self.budget_s:g} s)")
         finally:
@@ -464,22 +470,35 @@ class Driver:
         captured for the shapes the points will see, adapters in the host cache, before anything is measured."""
         from bench.point import run_point
 
+        from bench.point import PointOverran
+
         spec = dataclasses.replace(first, duration_s=self.spec.stack_warmup_s, warmup_s=0.0, seed=first.seed + 1)
         note(f"  warm-up: {spec.duration_s:g} s of traffic at {spec.req_rate:g} req/s, not measured")
         model_for = point_model_for(first, stack.base_model, stack.model_for)
-        run_point(stack.url, spec, model_for, self.setting.vocab_size, command=self.command,
-                  request_timeout_s=self.spec.own(first.system, "request_timeout_s"), progress=self.progress)
+        # Bounded as the plan counts it (startup_estimate): a slow system's warm-up backlog is given up.
+        bound = spec.duration_s + self.spec.own(first.system, "point_tail_s")
+        try:
+            run_point(stack.url, spec, model_for, self.setting.vocab_size, command=self.command,
+                      request_timeout_s=self.spec.own(first.system, "request_timeout_s"), progress=self.progress,
+                      max_wall_s=bound)
+        except PointOverran:
+            note(f"  warm-up: requests still in flight after {bound:g} s were given up")
 
     def run_one(self, stack: Stack, p, ceilings: dict | None, pool_slots: int, info: dict, population) -> dict:
-        from bench.point import run_point
+        from bench.point import PointOverran, run_point
 
         t0 = time.monotonic()
         records = self.work_dir / "records" / self.spec.name / (point_key(p).replace("/", "_") + ".jsonl")
         cpu = ServiceCpu(stack)
         model_for = point_model_for(p, stack.base_model, stack.model_for)
-        line = run_point(stack.url, p, model_for, self.setting.vocab_size, command=self.command,
-                         request_timeout_s=self.spec.own(p.system, "request_timeout_s"), progress=self.progress,
-                         records_path=records)
+        try:
+            line = run_point(stack.url, p, model_for, self.setting.vocab_size, command=self.command,
+                             request_timeout_s=self.spec.own(p.system, "request_timeout_s"), progress=self.progress,
+                             records_path=records, max_wall_s=max(1.0, self.left() - self.spec.stop_s))
+        except PointOverran as e:
+            # Its tail so far is a lower bound: the plans of later pieces reserve at least that much.
+            self.timings.note("point_tail", self.timing_key(p.system), max(0.0, e.wall_s - p.duration_s))
+            raise
         wall = time.monotonic() - t0
         line.update(cpu.report(wall))
         self.timings.note("point_tail", self.timing_key(p.system), max(0.0, wall - p.duration_s))

@@ -93,22 +93,35 @@ def write_records(path: Path, records: list[RequestRecord]) -> None:
             f.write(json.dumps(dataclasses.asdict(r)) + "\n")
 
 
+class PointOverran(Exception):
+    """A point still had requests in flight at its `max_wall_s`: they were given up, and it has no line."""
+
+    def __init__(self, wall_s: float):
+        super().__init__(f"requests still in flight after {wall_s:.0f} s")
+        self.wall_s = wall_s
+
+
 async def arun_point(base_url: str, spec: PointSpec, model_for: Callable[[TraceRequest], str], vocab_size: int,
                      command: str | None = None, api_key: str | None = None, slo_s: float = 6.0,
                      request_timeout_s: float = 600.0, progress: bool = True, processes: int | None = None,
-                     sample_interval_s: float = 0.5, records_path: Path | None = None) -> dict:
+                     sample_interval_s: float = 0.5, records_path: Path | None = None,
+                     max_wall_s: float | None = None) -> dict:
     """Run `spec`'s trace against the stack at `base_url` (which already serves `spec.system` with its
     adapters registered) and return the point's JSON-line dict. `roofline_fraction` is None: the caller
     fills it through bench/roofline.py. `command` is the command line that produced the point (default:
-    this process's own, shell-quoted)."""
+    this process's own, shell-quoted). With `max_wall_s`, requests still unanswered that long after the
+    start are given up (their connections closed, so the server drops them) and PointOverran is raised:
+    a driver's piece ends on time even when a slow system's queue would take minutes to drain."""
     trace = spec.trace()
     started = datetime.datetime.now(datetime.timezone.utc)
     t = time.monotonic()
     sampler = ServerSampler(base_url, interval_s=sample_interval_s, api_key=api_key).start()
     try:
-        records = await run_trace(base_url, trace, model_for, vocab_size, api_key=api_key,
-                                  request_timeout_s=request_timeout_s, progress=progress, seed=spec.seed,
-                                  processes=processes)
+        records = await asyncio.wait_for(
+            run_trace(base_url, trace, model_for, vocab_size, api_key=api_key, request_timeout_s=request_timeout_s,
+                      progress=progress, seed=spec.seed, processes=processes), max_wall_s)
+    except asyncio.TimeoutError:
+        raise PointOverran(time.monotonic() - t) from None
     finally:
         server = sampler.stop()
     wall_s = time.monotonic() - t

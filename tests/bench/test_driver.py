@@ -4,6 +4,7 @@ JSON line per point, resumable without running a point twice. The two-piece swee
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,26 @@ def test_two_point_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_pa
     assert (lines[0]["registration"]["created"], lines[0]["registration"]["already"]) == (2, 0)
     assert (lines[1]["registration"]["created"], lines[1]["registration"]["already"]) == (1, 2)
     assert (work / "records" / "tiny-two").is_dir()
+
+
+def test_a_point_running_past_the_budget_is_cut_off_and_its_tail_remembered(tmp_path):
+    # Estimates say the point fits (1 s of tail); its real backlog (180 requests of 400-500 tokens on a
+    # CPU) would take minutes. The piece must end on time anyway, with no line for the cut point.
+    spec = {**TWO_POINTS, "systems": ["loraplex"], "by_system": {}, "n": [2], "rates": [60],
+            "output_range": [400, 500], "stack_warmup_s": 0, "point_tail_s": 1}
+    spec_path = tmp_path / "tiny-two.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    work, out = tmp_path / "work", tmp_path / "out"
+    budget = 30
+    started = time.monotonic()
+    piece = sweep(spec_path, work, out, budget=budget)
+    took = time.monotonic() - started
+    assert piece.returncode == 3, piece.stdout + piece.stderr
+    assert "tiny/loraplex/n=2/" in piece.stdout and "ran past the budget" in piece.stdout, piece.stdout
+    assert results(out) == []
+    assert took < budget + 20, took  # the budget, then the stack's stop
+    tail = json.loads((work / "timings.json").read_text())["point_tail"]["tiny/loraplex"]
+    assert tail > 1  # what the cut point had already taken beyond its arrivals: later plans reserve it
 
 
 def test_spec_expands_to_points_grouped_by_stack():
