@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import numpy as np
 from bench.settings import Setting
 
 CONFIG_FILE = "adapter_config.json"
+WRITER_THREADS = 8
 WEIGHTS_FILE = "adapter_model.safetensors"
 MANIFEST = "population.json"
 DEFAULT_BYTE_BUDGET = 16 * 10**9
@@ -199,17 +201,38 @@ def generate_adapters(setting: Setting, root: str | Path, n: int, *, seed: int =
         return pop
     from tqdm import tqdm
 
+    def late() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
     with tqdm(total=len(todo), desc=f"{setting.name} adapters", unit="adapter", disable=not progress) as bar:
-        for i in todo:  # sets (i < distinct) come before the names linked to them
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            folder = root / names[i]
+        # Weight sets on several threads (drawing and writing gigabytes; torch and the safetensors writer
+        # let go of the GIL), each from its own seeded generator, so the bytes do not depend on the order.
+        # The linked names follow, once every set they point at is there.
+        sets = iter([i for i in todo if i < distinct])
+        with ThreadPoolExecutor(WRITER_THREADS) as writers:
+            running = set()
+            while True:
+                while len(running) < 2 * WRITER_THREADS and not late():
+                    i = next(sets, None)
+                    if i is None:
+                        break
+                    running.add(writers.submit(_write_set, setting, root / names[i], ranks[i], seed, i))
+                if not running:
+                    break
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    f.result()
+                    pop.written += 1
+                    bar.update(1)
+        if next(sets, None) is not None:
+            return pop  # the deadline passed before every set was written
+        for i in todo:
             if i < distinct:
-                _write_set(setting, folder, ranks[i], seed, i)
-                pop.written += 1
-            else:
-                _link_set(root / names[pop.set_of(i)], folder)
-                pop.linked += 1
+                continue
+            if late():
+                break
+            _link_set(root / names[pop.set_of(i)], root / names[i])
+            pop.linked += 1
             bar.update(1)
     return pop
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import bench.adapters as bench_adapters
 from bench.adapters import (
     CONFIG_FILE, WEIGHTS_FILE, distinct_cap, generate_adapters, register, registered_names, set_rank,
 )
@@ -51,6 +52,17 @@ def test_population_writes_distinct_sets_then_links(tmp_path):
     # distinct sets differ from each other
     blobs = {(tmp_path / "pop" / n / WEIGHTS_FILE).read_bytes() for n in pop.names}
     assert len(blobs) == d
+
+
+def test_sets_written_side_by_side_hold_the_bytes_of_sets_written_one_by_one(tmp_path, monkeypatch):
+    budget = 6 * TINY.adapter_bytes(2)
+    side_by_side = generate_adapters(TINY, tmp_path / "threads", 10, seed=4, byte_budget=budget, progress=False)
+    monkeypatch.setattr(bench_adapters, "WRITER_THREADS", 1)
+    one_by_one = generate_adapters(TINY, tmp_path / "one", 10, seed=4, byte_budget=budget, progress=False)
+    assert side_by_side.distinct == one_by_one.distinct > 1
+    for name in side_by_side.names:
+        assert ((tmp_path / "threads" / name / WEIGHTS_FILE).read_bytes()
+                == (tmp_path / "one" / name / WEIGHTS_FILE).read_bytes()), name
 
 
 def test_population_resumes_extends_and_refuses_another_seed(tmp_path):
