@@ -38,10 +38,9 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "fcfs": ("scheduler.first_token_slo_s=0", "scheduler.queue_order=fcfs"),
     "lcfs": ("scheduler.first_token_slo_s=0", "scheduler.queue_order=lcfs"),
 }
-# The engine's resident-adapter cap (EngineConfig.max_resident_adapters, by default its running batch): the
-# no-unify adapter part holds as many adapters of the setting's largest rank, since a fixed partition must fit
-# its worst case.
-NO_UNIFY_ADAPTERS = EngineConfig().max_resident_adapters
+# The no-unify adapter part holds a running batch's worth of adapters of the setting's largest rank (every
+# request on its own adapter), since a fixed partition must fit its worst case.
+NO_UNIFY_ADAPTERS = EngineConfig().max_running_requests
 STOP_TIMEOUT_S = 60.0
 
 

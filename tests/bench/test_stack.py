@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.adapters import generate_adapters
+from bench.settings import get_setting
 from bench.stack import Stack, StackConfig, adapter_slots, no_unify_slots
 from bench.workload import TraceRequest
 from shared.probes import alive, descendants
@@ -107,6 +108,9 @@ def test_system_flags(population, tmp_path):
     assert adapter_slots(TINY, 8) == 32
     assert f"worker.adapter_pool_slots={no_unify_slots(TINY, 10)}" in flags("no-unify", no_unify_adapters=10)
     assert no_unify_slots(TINY, 10) == 320 and no_unify_slots(TINY, 128, num_slots=4096) == 2048
+    # By default the fixed adapter part fits a running batch of requests each on its own adapter of the
+    # largest rank, not every resident row the engine could keep (4096 of those would outgrow the pool).
+    assert no_unify_slots(get_setting("S2")) == 256 * adapter_slots(get_setting("S2"), 64) == 65536
     assert "scheduler.first_token_slo_s=6" in flags("loraplex", policy="early-abort")
 
 
