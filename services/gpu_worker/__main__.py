@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         segments.populate_at_start(arena)  # its pages fault in while the graphs are captured
         if warm:
             warm_up(engine, cfg)
+        if segments.register_with_cuda and not arena:  # the store was not up yet (services started together)
+            arena = store.arena_name(timeout_s=ARENA_NAME_TIMEOUT_S)
         # Before the worker reports ready: pinning a large arena takes seconds (ArenaSegments).
         segments.pin_at_start(arena)
         service = WorkerService(worker, engine, loader, ctx)
