@@ -39,8 +39,8 @@ import numpy as np
 from bench.settings import Setting
 
 CONFIG_FILE = "adapter_config.json"
-WRITER_THREADS = 8
 WEIGHTS_FILE = "adapter_model.safetensors"
+WRITER_THREADS = 8
 MANIFEST = "population.json"
 DEFAULT_BYTE_BUDGET = 16 * 10**9
 DEFAULT_CONCURRENCY = 16
@@ -205,27 +205,14 @@ def generate_adapters(setting: Setting, root: str | Path, n: int, *, seed: int =
         return deadline is not None and time.monotonic() > deadline
 
     with tqdm(total=len(todo), desc=f"{setting.name} adapters", unit="adapter", disable=not progress) as bar:
-        # Weight sets on several threads (drawing and writing gigabytes; torch and the safetensors writer
-        # let go of the GIL), each from its own seeded generator, so the bytes do not depend on the order.
-        # The linked names follow, once every set they point at is there.
-        sets = iter([i for i in todo if i < distinct])
-        with ThreadPoolExecutor(WRITER_THREADS) as writers:
-            running = set()
-            while True:
-                while len(running) < 2 * WRITER_THREADS and not late():
-                    i = next(sets, None)
-                    if i is None:
-                        break
-                    running.add(writers.submit(_write_set, setting, root / names[i], ranks[i], seed, i))
-                if not running:
-                    break
-                finished, running = wait(running, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    f.result()
-                    pop.written += 1
-                    bar.update(1)
-        if next(sets, None) is not None:
+        def written() -> None:
+            pop.written += 1
+            bar.update(1)
+
+        sets = [(i, root / names[i], ranks[i]) for i in todo if i < distinct]
+        if not _write_sets(setting, seed, sets, late, written):
             return pop  # the deadline passed before every set was written
+        # The linked names, once every set they point at is there.
         for i in todo:
             if i < distinct:
                 continue
@@ -235,6 +222,29 @@ def generate_adapters(setting: Setting, root: str | Path, n: int, *, seed: int =
             pop.linked += 1
             bar.update(1)
     return pop
+
+
+def _write_sets(setting: Setting, seed: int, sets: list[tuple[int, Path, int]], late, written) -> bool:
+    """Write weight sets (index, folder, rank) on several threads (drawing and writing gigabytes; torch and
+    the safetensors writer let go of the GIL), each from its own seeded generator, so the bytes do not depend
+    on the order; `written()` after each. False when `late()` stopped it before the last was started."""
+    todo = iter(sets)
+    with ThreadPoolExecutor(WRITER_THREADS) as writers:
+        running: set = set()
+        while True:
+            while len(running) < 2 * WRITER_THREADS and not late():
+                item = next(todo, None)
+                if item is None:
+                    break
+                i, folder, rank = item
+                running.add(writers.submit(_write_set, setting, folder, rank, seed, i))
+            if not running:
+                break
+            finished, running = wait(running, return_when=FIRST_COMPLETED)
+            for f in finished:
+                f.result()
+                written()
+    return next(todo, None) is None
 
 
 # ---- registration ------------------------------------------------------------------------------------

@@ -468,9 +468,7 @@ class Driver:
     def warm_up(self, stack: Stack, first) -> None:
         """The first point's traffic, shorter and with another seed, thrown away: kernels compiled and graphs
         captured for the shapes the points will see, adapters in the host cache, before anything is measured."""
-        from bench.point import run_point
-
-        from bench.point import PointOverran
+        from bench.point import PointOverran, run_point
 
         spec = dataclasses.replace(first, duration_s=self.spec.stack_warmup_s, warmup_s=0.0, seed=first.seed + 1)
         note(f"  warm-up: {spec.duration_s:g} s of traffic at {spec.req_rate:g} req/s, not measured")

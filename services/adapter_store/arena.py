@@ -96,14 +96,16 @@ class Arena:
 
     @property
     def used_bytes(self) -> int:
-        return (sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values())
-                + sum(align_up(n, ARENA_ALIGN) for _, n in self._reserved.values()))
+        return sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values()) + self._reserved_bytes
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes nothing may evict now: pinned adapters and ranges reserved for loads under way."""
-        return (sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values() if e.pinned)
-                + sum(align_up(n, ARENA_ALIGN) for _, n in self._reserved.values()))
+        return sum(align_up(e.nbytes, ARENA_ALIGN) for e in self._lru.values() if e.pinned) + self._reserved_bytes
+
+    @property
+    def _reserved_bytes(self) -> int:
+        return sum(align_up(n, ARENA_ALIGN) for _, n in self._reserved.values())
 
     @property
     def pin_count(self) -> int:
@@ -183,10 +185,10 @@ class Arena:
         spans += [(start, start + size, None) for start, size in self.ranges.free_ranges()]
         spans += [(start, start + align_up(n, ARENA_ALIGN), RESERVED) for start, n in self._reserved.values()]
         spans.sort(key=lambda s: s[0])
-        best: tuple[tuple[int, int], int, int] | None = None  # ((newest rank, evicted bytes), first, last)
         def blocked(entry) -> bool:
             return entry is RESERVED or entry.pinned or entry.adapter in keep
 
+        best: tuple[tuple[int, int], int, int] | None = None  # ((newest rank, evicted bytes), first, last)
         for i, (start, _, first) in enumerate(spans):
             if first is not None and blocked(first):
                 continue

@@ -151,6 +151,8 @@ class AdapterStore:
         # Where a registration's time goes, in its log line: reading and hashing, the content checks, then
         # the blob and the registry's durable writes (bulk registration rates depend on which dominates).
         t0 = time.monotonic()
+        # A content seen for the first time is hashed twice (once here, once as it is read for its checks): a
+        # hash pass costs far less than the copy and checks a known content is spared.
         known = None if read_all else self._hashed_known(msg)
         if known is not None:
             config_json, model_size, sha, facts = known

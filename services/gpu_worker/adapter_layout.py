@@ -79,9 +79,9 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, slot_width: int, dtype:
     if out is None:
         rows = torch.zeros(shape, dtype=dtype)
     else:
-        if out.dtype != torch.uint8 or out.numel() != packed_nbytes(ranks, cfg, slot_width, dtype):
-            raise ValueError(f"out holds {out.numel()} {out.dtype} values; the rows need "
-                             f"{packed_nbytes(ranks, cfg, slot_width, dtype)} bytes")
+        need = packed_nbytes(ranks, cfg, slot_width, dtype)
+        if out.dtype != torch.uint8 or out.numel() != need:
+            raise ValueError(f"out holds {out.numel()} {out.dtype} values; the rows need {need} bytes")
         rows = out.view(dtype).view(shape)
         rows.zero_()
     for mi, m in enumerate(MODULES):

@@ -67,8 +67,7 @@ class ArenaSegments:
     def populate_at_start(self, name: str) -> None:
         """Start faulting in the segment's pages (no CUDA call: safe beside graph capture)."""
         if name and name not in self._populating and name not in self._pinned:
-            shm = self._segments.get(name) or self._attach(name)
-            self._populating[name] = BackgroundPopulate(name, shm.buf)
+            self._populating[name] = BackgroundPopulate(name, self._mapped(name).buf)
 
     def pin_at_start(self, name: str) -> None:
         if not name or name in self._pinned:
@@ -76,10 +75,13 @@ class ArenaSegments:
         pending = self._populating.pop(name, None)
         if pending is not None:
             pending.wait()
-        shm = self._segments.get(name) or self._attach(name)
+        shm = self._mapped(name)
         self._pinned.add(name)
         if self.register_with_cuda:
             self._pin(name, shm)
+
+    def _mapped(self, name: str):
+        return self._segments.get(name) or self._attach(name)
 
     def get(self, name: str):
         shm = self._segments.get(name)

@@ -202,7 +202,8 @@ class WorkerService:
         self.status_step += 1
         status = WorkerStatus(
             worker_id=self.config.worker_id, step=self.status_step, total_slots=cap["total_slots"],
-            free_slots=cap["free_slots"], evictable_slots=cap["evictable_slots"], kv_slots=cap["kv_slots"], adapter_slots=cap["adapter_slots"],
+            free_slots=cap["free_slots"], evictable_slots=cap["evictable_slots"], kv_slots=cap["kv_slots"],
+            adapter_slots=cap["adapter_slots"],
             running=cap["running"], waiting=cap["waiting"], resident_adapters=list(cap["resident_adapters"]),
             finished_request_ids=self.finished_ids, ready=not self.stopping, max_running=self.max_running,
             backlog=self.backlog,
