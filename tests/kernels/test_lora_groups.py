@@ -41,3 +41,15 @@ def test_groups_without_bound_use_one_segment_slot_per_token():
     groups = group_tokens_by_adapter(token_adapter)
     assert segments(groups) == [(-1, 0, 1), (0, 1, 2), (3, 2, 4), (-1, 4, 4)]
     assert groups.token_order.tolist() == [2, 3, 0, 1]
+
+
+def test_an_exact_distinct_count_launches_only_the_segments_in_use():
+    # A prefill step of 5 adapters and base-only tokens: 6 segments, not one per resident table row.
+    gen = torch.Generator().manual_seed(1)
+    token_adapter = torch.randint(-1, 5, (300,), generator=gen, dtype=torch.int32)
+    distinct = len(set(token_adapter.tolist()))
+    bounded = group_tokens_by_adapter(token_adapter, max_adapters=4096)
+    exact = group_tokens_by_adapter(token_adapter, max_adapters=4096, num_distinct=distinct)
+    assert bounded.seg_adapter.shape[0] == 300 and exact.seg_adapter.shape[0] == distinct == 6
+    assert torch.equal(exact.token_order, bounded.token_order)
+    assert segments(exact) == [s for s in segments(bounded) if s[2] > s[1]], "the same runs, none empty"

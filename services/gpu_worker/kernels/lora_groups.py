@@ -28,16 +28,20 @@ class AdapterGroups:
         return {"seg_start": self.seg_start, "seg_adapter": self.seg_adapter, "token_order": self.token_order}
 
 
-def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | None = None) -> AdapterGroups:
+def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | None = None,
+                            num_distinct: int | None = None) -> AdapterGroups:
     """Sort tokens by adapter (stable) and cut the sorted order into runs of one adapter.
 
     max_adapters (resident table rows; adapter ids lie in 0 .. max_adapters - 1) bounds the number of
     distinct adapters, so at most max_adapters + 1 segments (the +1 for base-only tokens) are launched
-    instead of one per token."""
+    instead of one per token. num_distinct, when the caller knows it (an eager step built on the host), is
+    the exact number of distinct ids, base-only included: it must not be an underestimate."""
     check_tensor("token_adapter", token_adapter, ndim=1, dtypes=(torch.int32,), contiguous=True)
     device = token_adapter.device
     num_tokens = token_adapter.shape[0]
     num_segments = num_tokens if max_adapters is None else max(1, min(num_tokens, max_adapters + 1))
+    if num_distinct is not None:
+        num_segments = max(1, min(num_segments, num_distinct))
     if num_tokens == 0:
         empty = torch.zeros(1, dtype=torch.int32, device=device)
         return AdapterGroups(empty[:0], empty, empty[:0])

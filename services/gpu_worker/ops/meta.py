@@ -48,6 +48,10 @@ class LoraBatch:
     # Most tokens any one adapter has in this step (known on the host at build time; None = unknown, e.g.
     # in a CUDA graph). Kernels use it to split long prefill segments; it must not be an underestimate.
     max_seg_len: int | None = None
+    # Distinct adapter ids among the step's tokens (base-only counts as one), known on the host at build time;
+    # None = unknown (a CUDA graph), bounded by the resident table's rows. The segment kernels launch a
+    # program grid per segment, so an exact count keeps a prefill step from launching millions of empty ones.
+    num_segments: int | None = None
     # Backend-specific launch hints (e.g. tokens grouped by adapter); they never change results.
     kernel_args: dict = field(default_factory=dict)
 

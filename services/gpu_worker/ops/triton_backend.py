@@ -15,5 +15,5 @@ __all__ = ["write_kv", "attention", "lora_shrink", "lora_expand", "prepare_lora"
 def prepare_lora(lora: LoraBatch) -> None:
     """Sort the step's tokens by adapter on the device (no host sync), so each adapter's rows are read once
     per step by the segment form of shrink and expand, at decode and prefill alike."""
-    groups = group_tokens_by_adapter(lora.token_adapter, lora.tables.ranks.shape[0])
+    groups = group_tokens_by_adapter(lora.token_adapter, lora.tables.ranks.shape[0], lora.num_segments)
     lora.kernel_args = {**groups.kwargs(), "max_seg_len": lora.max_seg_len}
