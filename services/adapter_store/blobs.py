@@ -98,14 +98,15 @@ class BlobStore:
     def read(self, sha256: str) -> tuple[bytes, bytes]:
         return unpack_pair(self.path(sha256).read_bytes())
 
-    def read_view(self, sha256: str) -> tuple[bytes, memoryview]:
+    def read_view(self, sha256: str, buffer=None) -> tuple[bytes, memoryview]:
         """The pair with the safetensors part as a view of one writable buffer the file was read into (no
-        copy beyond the read: tensors can view it in place)."""
+        copy beyond the read: tensors can view it in place). `buffer(nbytes)`, when given, supplies that
+        buffer (a memoryview of exactly nbytes), e.g. one reused by a load thread (read_buffers.py)."""
         with open(self.path(sha256), "rb", buffering=0) as f:
-            buf = bytearray(os.fstat(f.fileno()).st_size)
-            view = memoryview(buf)
+            size = os.fstat(f.fileno()).st_size
+            view = memoryview(bytearray(size)) if buffer is None else buffer(size)
             n = 0
-            while n < len(buf):
+            while n < size:
                 got = f.readinto(view[n:])
                 if not got:
                     raise ValueError(f"blob {sha256} shrank while it was read")

@@ -35,6 +35,7 @@ from shared.wire import (
 from .arena import Arena, ArenaFull, ArenaTooSmall
 from .blob_tensors import stored_tensors
 from .blobs import BlobStore, pair_hasher
+from .read_buffers import ReadBuffers
 from .config import StoreConfig
 from .contents import BlobGone, ContentFacts, ContentTable, check_fingerprint
 from .errors import StoreRefusal, bad_request, not_found
@@ -110,6 +111,7 @@ class AdapterStore:
         # loads do not evict cached adapters long before their bytes come. Further ones wait (LOAD_QUEUE).
         self.reading = 0
         self.blob_reads = 0  # counted on the load threads, under _reads_lock
+        self.read_buffers = ReadBuffers()  # each load thread's blob buffer, reused read after read
         self._reads_lock = threading.Lock()
 
     # ------------------------------------------------------------------ startup
@@ -413,16 +415,17 @@ class AdapterStore:
         return pack_adapter(self.read_weights(aid), self.model, self.slot_width, self.dtype)
 
     def read_weights(self, aid: str):
-        """An adapter's weights from its stored blob (read from disk). Its tensors are views of the one read,
-        and its config, keys, shapes and ranks are checked against the model again; the pass over every
-        value for NaN/Inf is not repeated (it passed it when stored, and its blob is named by its sha256)."""
+        """An adapter's weights from its stored blob (read from disk). Its tensors are views of this thread's
+        read buffer, valid until the thread's next read (every caller packs them at once), and its config,
+        keys, shapes and ranks are checked against the model again; the pass over every value for NaN/Inf
+        is not repeated (it passed it when stored, and its blob is named by its sha256)."""
         card = self.registry.by_id(aid)
         if card is None:
             raise not_found(aid, "adapter")
         with self._reads_lock:
             self.blob_reads += 1
         try:
-            config_json, model_st = self.blobs.read_view(card.sha256)
+            config_json, model_st = self.blobs.read_view(card.sha256, self.read_buffers.get)
             weights = adapter_from_tensors(config_json, stored_tensors(model_st), self.model, self.cfg.max_rank,
                                            aid, check_values=False)
         except (OSError, ValueError) as e:  # AdapterError and BlobLayoutError are ValueErrors
