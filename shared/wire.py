@@ -387,6 +387,7 @@ class Pong(Message):
     arena_loads: int = 0  # adapters laid into the arena since the store started
     arena_evictions: int = 0
     blob_reads: int = 0  # adapters read from disk for workers and hints (never more than one at once each)
+    packed_reads: int = 0  # of those, read as packed rows (one read into the arena, no repack)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class StoreService:
                     arena_capacity_bytes=arena.capacity, arena_used_bytes=arena.used_bytes,
                     arena_pinned_bytes=arena.pinned_bytes, arena_adapters=len(arena), arena_pins=arena.pin_count,
                     arena_name=arena.name, arena_loads=arena.loads, arena_evictions=arena.evictions,
-                    blob_reads=self.store.blob_reads)
+                    blob_reads=self.store.blob_reads, packed_reads=self.store.packed_reads)
 
     def handle(self, identity, frames: list) -> list | None:
         """Reply frames for one request's frames (identity stripped), or None for no reply now (none at all,

@@ -35,6 +35,7 @@ from shared.wire import (
 from .arena import Arena, ArenaFull, ArenaTooSmall
 from .blob_tensors import stored_tensors
 from .blobs import BlobStore, pair_hasher
+from .packed_rows import PackedRows
 from .read_buffers import ReadBuffers
 from .config import StoreConfig
 from .contents import BlobGone, ContentFacts, ContentTable, check_fingerprint
@@ -112,6 +113,10 @@ class AdapterStore:
         self.reading = 0
         self.blob_reads = 0  # counted on the load threads, under _reads_lock
         self.read_buffers = ReadBuffers()  # each load thread's blob buffer, reused read after read
+        # Contents' rows in the arena's layout on disk: a load from disk is then one read, no repack.
+        self.packed = (PackedRows(cfg.data_dir, self.dtype, self.slot_width, self.contents.fingerprint)
+                       if cfg.packed_rows else None)
+        self.packed_reads = 0  # loads served from packed rows, counted under _reads_lock
         self._reads_lock = threading.Lock()
 
     # ------------------------------------------------------------------ startup
@@ -127,6 +132,8 @@ class AdapterStore:
         orphans = [sha for sha in self.blobs.list() if sha not in referenced]
         for sha in orphans:
             self.blobs.delete(sha)
+        if self.packed is not None:
+            self.packed.keep_only(referenced)
         missing = sorted(sha for sha in referenced if not self.blobs.exists(sha))
         for sha in missing:
             log.error("registry_entry_without_blob", sha256=sha)
@@ -302,6 +309,8 @@ class AdapterStore:
         card = self.registry.by_id(aid)
         remaining = self.registry.purge(aid)
         dropped = remaining == 0 and card is not None and self.contents.delete_blob(card.sha256)
+        if dropped and self.packed is not None:
+            self.packed.delete(card.sha256)
         if remaining >= 0:
             log.info("adapter_deleted", adapter=aid, blob_dropped=dropped)
 
@@ -340,11 +349,19 @@ class AdapterStore:
         when its size differs from the card's estimate (False); a failure is returned, for the loop to give
         the range back before it answers."""
         try:
-            weights = self.read_weights(aid)
+            card = self._card(aid)
+            read = self._read_packed(card, aid, dest)
+            if read is not None:
+                return read
+            weights = self.read_weights(aid, card)
             ranks = tuple(weights.module_rank(m) for m in MODULES)
             if packed_nbytes(ranks, self.model, self.slot_width, self.dtype) == dest.numel():
-                return pack_adapter(weights, self.model, self.slot_width, self.dtype, out=dest), True
-            return pack_adapter(weights, self.model, self.slot_width, self.dtype), False
+                read = pack_adapter(weights, self.model, self.slot_width, self.dtype, out=dest), True
+            else:
+                read = pack_adapter(weights, self.model, self.slot_width, self.dtype), False
+            if self.packed is not None:
+                self.packed.write(card.sha256, read[0])
+            return read
         except Exception as e:
             return e
 
@@ -412,16 +429,38 @@ class AdapterStore:
     def prepare_load(self, aid: str) -> PackedAdapter:
         """An adapter's rows in the arena's format, in memory of their own (a hint's load). Touches no arena
         state: it runs on the pool."""
-        return pack_adapter(self.read_weights(aid), self.model, self.slot_width, self.dtype)
+        card = self._card(aid)
+        read = self._read_packed(card, aid)
+        if read is not None:
+            return read[0]
+        packed = pack_adapter(self.read_weights(aid, card), self.model, self.slot_width, self.dtype)
+        if self.packed is not None:
+            self.packed.write(card.sha256, packed)
+        return packed
 
-    def read_weights(self, aid: str):
+    def _card(self, aid: str) -> AdapterCard:
+        card = self.registry.by_id(aid)
+        if card is None:
+            raise not_found(aid, "adapter")
+        return card
+
+    def _read_packed(self, card: AdapterCard, aid: str, out=None):
+        """(rows, read into `out`) from the content's packed rows file, or None when it has none."""
+        if self.packed is None:
+            return None
+        read = self.packed.read(card.sha256, aid, out)
+        if read is not None:
+            with self._reads_lock:
+                self.blob_reads += 1
+                self.packed_reads += 1
+        return read
+
+    def read_weights(self, aid: str, card: AdapterCard | None = None):
         """An adapter's weights from its stored blob (read from disk). Its tensors are views of this thread's
         read buffer, valid until the thread's next read (every caller packs them at once), and its config,
         keys, shapes and ranks are checked against the model again; the pass over every value for NaN/Inf
         is not repeated (it passed it when stored, and its blob is named by its sha256)."""
-        card = self.registry.by_id(aid)
-        if card is None:
-            raise not_found(aid, "adapter")
+        card = card or self._card(aid)
         with self._reads_lock:
             self.blob_reads += 1
         try:

@@ -85,7 +85,9 @@ class StoreProcess:
             "arena-bytes": str(8 * 2**20), "arena-name": self.arena_name, "max-upload-bytes": str(2 * 2**20),
             "allowed-root": str(allowed_root) if allowed_root else "",
         }
-        self.args.update({k.replace("_", "-"): str(v) for k, v in flags.items()})
+        self.args.update({k.replace("_", "-"): str(v) for k, v in flags.items() if not isinstance(v, bool)})
+        # Switches (e.g. packed_rows=False) are --name / --no-name on the command line.
+        self.switches = [f"--{'' if v else 'no-'}{k.replace('_', '-')}" for k, v in flags.items() if isinstance(v, bool)]
         self.data_dir = data_dir
         self.proc: subprocess.Popen | None = None
         self.log_path = data_dir.parent / f"store-{self.arena_name}.log"
@@ -97,6 +99,7 @@ class StoreProcess:
         cmd = [sys.executable, "-m", "services.adapter_store"]
         for k, v in self.args.items():
             cmd += [f"--{k}", v]
+        cmd += self.switches
         self.log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -1,0 +1,113 @@
+"""Contents' rows kept on disk in the arena's layout: a later load from disk is one read of them, exact,
+and a damaged or stale file never serves a load."""
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+
+import torch
+
+from services.adapter_store.arena_reader import location_rows
+from services.adapter_store.contents import check_fingerprint
+from services.adapter_store.packed_rows import PackedRows
+from services.gpu_worker.adapter_layout import pack_adapter
+from shared.adapter_format import load_adapter
+from shared.model_config import ModelConfig
+from shared.wire import AcquireAdapter, DeleteAdapter, Ping, ReleaseAdapter
+
+from .test_durability import registered_then_restarted
+
+
+def rows_at(loc) -> torch.Tensor:
+    shm = shared_memory.SharedMemory(name=loc.segment)
+    try:
+        return location_rows(shm, loc).clone()
+    finally:
+        shm.close()
+
+
+def packed_files(store) -> list:
+    return sorted(p for p in (store.data_dir / "packed").rglob("*") if p.is_file())
+
+
+def acquire_rows(store, card) -> tuple[torch.Tensor, int]:
+    """The rows a worker gets for `card` from a freshly started store, and its packed_reads afterwards."""
+    client = store.client()
+    try:
+        loc = client.call(AcquireAdapter(card.id, "worker-0"))
+        rows = rows_at(loc)
+        client.call(ReleaseAdapter(card.id, "worker-0", call_id="r"))
+        return rows, client.call(Ping()).packed_reads
+    finally:
+        client.close()
+
+
+def test_a_content_loaded_once_is_read_back_as_packed_rows_exactly(store_factory, tiny_model_dir, tiny_adapter_dirs):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[0])], dtype="bfloat16")
+    want = pack_adapter(load_adapter(tiny_adapter_dirs[0], cfg), cfg, cfg.kv_dim, torch.bfloat16).rows
+    assert packed_files(store) == []
+    rows, packed_reads = acquire_rows(store, card)
+    assert torch.equal(rows, want) and packed_reads == 0, "the first load packs the blob"
+    (written,) = packed_files(store)
+    assert written.name == card.sha256
+    store.stop()
+
+    again = store_factory(dtype="bfloat16")  # empty arena: the load comes from disk again
+    rows, packed_reads = acquire_rows(again, card)
+    assert torch.equal(rows, want) and packed_reads == 1, "the second one reads the packed rows"
+    again.stop()
+
+
+def test_a_damaged_packed_file_is_passed_over_and_written_again(store_factory, tiny_model_dir, tiny_adapter_dirs):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[1])], dtype="bfloat16")
+    want = pack_adapter(load_adapter(tiny_adapter_dirs[1], cfg), cfg, cfg.kv_dim, torch.bfloat16).rows
+    acquire_rows(store, card)
+    store.stop()
+    (written,) = packed_files(store)
+    whole = written.read_bytes()
+    written.write_bytes(whole[:-5])  # torn by a crash
+
+    again = store_factory(dtype="bfloat16")
+    rows, packed_reads = acquire_rows(again, card)
+    assert torch.equal(rows, want) and packed_reads == 0
+    assert written.read_bytes() == whole, "rebuilt from the blob"
+    again.stop()
+
+
+def test_deleting_the_last_name_of_a_content_deletes_its_packed_rows(store_factory, tiny_adapter_dirs):
+    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[2])], dtype="bfloat16")
+    acquire_rows(store, card)
+    assert len(packed_files(store)) == 1
+    client = store.client()
+    try:
+        client.call(DeleteAdapter("a"))
+    finally:
+        client.close()
+    assert packed_files(store) == []
+    store.stop()
+
+
+def test_packed_rows_off_writes_none(store_factory, tiny_adapter_dirs):
+    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[0])], dtype="bfloat16",
+                                               packed_rows=False)
+    rows, packed_reads = acquire_rows(store, card)
+    assert packed_reads == 0 and packed_files(store) == []
+    store.stop()
+
+
+def test_startup_keeps_only_the_current_layout_and_stored_contents(tmp_path, tiny_model_dir):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    fingerprint = check_fingerprint(cfg, 256)
+    old = PackedRows(tmp_path, torch.float32, cfg.kv_dim, fingerprint)
+    current = PackedRows(tmp_path, torch.bfloat16, cfg.kv_dim, fingerprint)
+    assert old.root != current.root, "another row dtype is another folder"
+    kept, gone = "a" * 64, "b" * 64
+    for sha in (kept, gone):
+        current.path(sha).write_bytes(b"x")
+    (current.root / f"{kept}.1-2.tmp").write_bytes(b"x")
+    old.path(kept).write_bytes(b"x")
+    assert current.keep_only({kept}) == 3  # the other folder, the unstored content, the temp file
+    assert [p.name for p in current.root.iterdir()] == [kept] and not old.root.exists()
+    assert current.read(kept, "a") is None, "a file that is not packed rows serves nothing"
+    assert not current.path(kept).exists(), "and is dropped"
