@@ -29,6 +29,8 @@ class StoreConfig:
     packed_rows: bool = _doc("keep each stored content's rows in the arena's layout on disk as well (as many bytes "
                              "again as the blobs), so that a load from disk is one read, without checks or "
                              "repacking", True)
+    packed_rows_min_free_gb: float = _doc("packed rows are not written while they would leave less than this "
+                                          "much disk free (GB), which registrations need for blobs", 4.0)
     require_durable_redis: bool = _doc("refuse to start unless Redis has AOF on with appendfsync always", True)
 
     @classmethod

@@ -9,7 +9,8 @@ model and checks' fingerprint, row dtype, slot width, the layout's code): files 
 
 Layout: MAGIC | u32 little-endian length of a JSON header | header {shape, ranks, a_off, b_off} | rows.
 The file's size must be exactly that. Files are not fsync'd (a cache): one torn by a crash reads back
-short and is written again.
+short and is written again. None is written while it would leave less than `min_free_bytes` free on the
+disk, which registrations need for blobs (a load without a file only costs a repack).
 """
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ _SHA_LEN = 64
 
 
 class PackedRows:
-    def __init__(self, data_dir: str | os.PathLike, dtype: torch.dtype, slot_width: int, fingerprint: str):
+    def __init__(self, data_dir: str | os.PathLike, dtype: torch.dtype, slot_width: int, fingerprint: str,
+                 min_free_bytes: int = 0):
         self.dtype = dtype
+        self.min_free_bytes = min_free_bytes
+        self.skipped_for_space = 0  # files not written to keep min_free_bytes free
         key = hashlib.sha256(f"{fingerprint}|{dtype}|{slot_width}|".encode()
                              + Path(adapter_layout.__file__).read_bytes()).hexdigest()[:16]
         self.root = Path(data_dir) / "packed" / key
@@ -80,6 +84,14 @@ class PackedRows:
         """Keep `packed` as the content's rows (atomically: a reader sees the whole file or none)."""
         final = self.path(sha256)
         if final.is_file():
+            return
+        nbytes = packed.rows.numel() * packed.rows.element_size()
+        stat = os.statvfs(self.root)
+        if stat.f_bavail * stat.f_frsize - nbytes < self.min_free_bytes:
+            if self.skipped_for_space == 0:
+                log.warning("packed_rows_disk_reserve", free_bytes=stat.f_bavail * stat.f_frsize,
+                            reserve_bytes=self.min_free_bytes)
+            self.skipped_for_space += 1
             return
         header = json.dumps({"shape": list(packed.rows.shape), "ranks": list(packed.ranks),
                              "a_off": list(packed.a_off), "b_off": list(packed.b_off)}).encode()

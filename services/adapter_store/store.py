@@ -114,8 +114,8 @@ class AdapterStore:
         self.blob_reads = 0  # counted on the load threads, under _reads_lock
         self.read_buffers = ReadBuffers()  # each load thread's blob buffer, reused read after read
         # Contents' rows in the arena's layout on disk: a load from disk is then one read, no repack.
-        self.packed = (PackedRows(cfg.data_dir, self.dtype, self.slot_width, self.contents.fingerprint)
-                       if cfg.packed_rows else None)
+        self.packed = (PackedRows(cfg.data_dir, self.dtype, self.slot_width, self.contents.fingerprint,
+                                  int(cfg.packed_rows_min_free_gb * 1e9)) if cfg.packed_rows else None)
         self.packed_reads = 0  # loads served from packed rows, counted under _reads_lock
         self._reads_lock = threading.Lock()
 

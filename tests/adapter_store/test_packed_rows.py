@@ -43,7 +43,8 @@ def acquire_rows(store, card) -> tuple[torch.Tensor, int]:
 
 def test_a_content_loaded_once_is_read_back_as_packed_rows_exactly(store_factory, tiny_model_dir, tiny_adapter_dirs):
     cfg = ModelConfig.from_dir(tiny_model_dir)
-    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[0])], dtype="bfloat16")
+    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[0])],
+                                               dtype="bfloat16", packed_rows_min_free_gb=0)
     want = pack_adapter(load_adapter(tiny_adapter_dirs[0], cfg), cfg, cfg.kv_dim, torch.bfloat16).rows
     assert packed_files(store) == []
     rows, packed_reads = acquire_rows(store, card)
@@ -52,7 +53,7 @@ def test_a_content_loaded_once_is_read_back_as_packed_rows_exactly(store_factory
     assert written.name == card.sha256
     store.stop()
 
-    again = store_factory(dtype="bfloat16")  # empty arena: the load comes from disk again
+    again = store_factory(dtype="bfloat16", packed_rows_min_free_gb=0)  # empty arena: the load comes from disk again
     rows, packed_reads = acquire_rows(again, card)
     assert torch.equal(rows, want) and packed_reads == 1, "the second one reads the packed rows"
     again.stop()
@@ -60,7 +61,8 @@ def test_a_content_loaded_once_is_read_back_as_packed_rows_exactly(store_factory
 
 def test_a_damaged_packed_file_is_passed_over_and_written_again(store_factory, tiny_model_dir, tiny_adapter_dirs):
     cfg = ModelConfig.from_dir(tiny_model_dir)
-    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[1])], dtype="bfloat16")
+    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[1])],
+                                               dtype="bfloat16", packed_rows_min_free_gb=0)
     want = pack_adapter(load_adapter(tiny_adapter_dirs[1], cfg), cfg, cfg.kv_dim, torch.bfloat16).rows
     acquire_rows(store, card)
     store.stop()
@@ -68,7 +70,7 @@ def test_a_damaged_packed_file_is_passed_over_and_written_again(store_factory, t
     whole = written.read_bytes()
     written.write_bytes(whole[:-5])  # torn by a crash
 
-    again = store_factory(dtype="bfloat16")
+    again = store_factory(dtype="bfloat16", packed_rows_min_free_gb=0)
     rows, packed_reads = acquire_rows(again, card)
     assert torch.equal(rows, want) and packed_reads == 0
     assert written.read_bytes() == whole, "rebuilt from the blob"
@@ -76,7 +78,8 @@ def test_a_damaged_packed_file_is_passed_over_and_written_again(store_factory, t
 
 
 def test_deleting_the_last_name_of_a_content_deletes_its_packed_rows(store_factory, tiny_adapter_dirs):
-    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[2])], dtype="bfloat16")
+    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[2])],
+                                               dtype="bfloat16", packed_rows_min_free_gb=0)
     acquire_rows(store, card)
     assert len(packed_files(store)) == 1
     client = store.client()
@@ -93,6 +96,16 @@ def test_packed_rows_off_writes_none(store_factory, tiny_adapter_dirs):
                                                packed_rows=False)
     rows, packed_reads = acquire_rows(store, card)
     assert packed_reads == 0 and packed_files(store) == []
+    store.stop()
+
+
+def test_no_packed_rows_are_written_into_the_disk_reserve(store_factory, tiny_adapter_dirs):
+    # A reserve larger than any disk: loads still work, from the blob each time.
+    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[0])], dtype="bfloat16",
+                                               packed_rows_min_free_gb=1e9)
+    rows, packed_reads = acquire_rows(store, card)
+    assert packed_reads == 0 and packed_files(store) == []
+    assert rows.abs().sum() > 0
     store.stop()
 
 
