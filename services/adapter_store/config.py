@@ -25,7 +25,8 @@ class StoreConfig:
     registration_threads: int = _doc("registrations read, hashed, checked and stored at once, each on its own thread "
                                      "(lookups, acquires and releases are answered meanwhile)", 8)
     load_threads: int = _doc("adapters read from disk into the arena at once for workers' acquires, on threads of "
-                             "their own so that a burst of registrations never delays a worker", 4)
+                             "their own so that a burst of registrations never delays a worker; each keeps a read buffer as "
+                             "large as the largest blob it has read", 4)
     packed_rows: bool = _doc("keep each stored content's rows in the arena's layout on disk as well (as many bytes "
                              "again as the blobs), so that a load from disk is one read, without checks or "
                              "repacking", True)

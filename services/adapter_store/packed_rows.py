@@ -3,9 +3,10 @@
 A load from disk otherwise reads the blob, checks it against the model and packs it (every Bᵀ transposed
 and scaled): for a 176 MB S-GQA adapter ~35 ms of reading and ~60 ms of packing on one core. From its
 packed file it is one read straight into the adapter's arena range. The file is a cache derived from the
-blob: written at the content's first load, deleted with the blob, and ignored (then written again) when it
-does not read back whole. The folder is named by everything the rows depend on besides the content (the
-model and checks' fingerprint, row dtype, slot width, the layout's code): files of any other are dropped.
+blob: written when a content is registered (or, for one stored before, at its first load), deleted with
+the blob, and ignored (then written again) when it does not read back whole. The folder is named by
+everything the rows depend on besides the content (the model and checks' fingerprint, row dtype, slot
+width, the layout's code): files of any other are dropped, and all of them when packed rows are off.
 
 Layout: MAGIC | u32 little-endian length of a JSON header | header {shape, ranks, a_off, b_off} | rows.
 The file's size must be exactly that. Files are not fsync'd (a cache): one torn by a crash reads back
@@ -36,6 +37,11 @@ _PREFIX = struct.Struct("<8sI")
 _HEADER_LIMIT = 1 << 20
 _TMP_SUFFIX = ".tmp"
 _SHA_LEN = 64
+
+
+def drop_all(data_dir: str | os.PathLike) -> None:
+    """Packed rows turned off: their disk space comes back."""
+    shutil.rmtree(Path(data_dir) / "packed", ignore_errors=True)
 
 
 class PackedRows:

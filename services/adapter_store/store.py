@@ -35,12 +35,13 @@ from shared.wire import (
 from .arena import Arena, ArenaFull, ArenaTooSmall
 from .blob_tensors import stored_tensors
 from .blobs import BlobStore, pair_hasher
-from .packed_rows import PackedRows
-from .read_buffers import ReadBuffers
 from .config import StoreConfig
 from .contents import BlobGone, ContentFacts, ContentTable, check_fingerprint
 from .errors import StoreRefusal, bad_request, not_found
 from .offload import Join, Offloaded
+from .packed_rows import PackedRows
+from .packed_rows import drop_all as drop_packed_rows
+from .read_buffers import ReadBuffers
 from .registry import RegisterResult, Registry
 from .validation import (
     CheckedAdapter, canonical_config, check_content, check_name, check_tenant, check_upload_size, read_adapter_dir,
@@ -134,6 +135,8 @@ class AdapterStore:
             self.blobs.delete(sha)
         if self.packed is not None:
             self.packed.keep_only(referenced)
+        else:
+            drop_packed_rows(self.cfg.data_dir)
         missing = sorted(sha for sha in referenced if not self.blobs.exists(sha))
         for sha in missing:
             log.error("registry_entry_without_blob", sha256=sha)
@@ -202,6 +205,8 @@ class AdapterStore:
         if checked is not None:  # lay it out for the workers: the first request that uses it needs no disk read
             checked.weights.name = aid
             packed = pack_adapter(checked.weights, self.model, self.slot_width, self.dtype)
+            if self.packed is not None:  # and on disk: its first load from disk is one read as well
+                self.packed.write(sha, packed)
         return PreparedRegistration(aid, result=result, packed=packed)
 
     def _hashed_known(self, msg: RegisterAdapter) -> tuple[bytes, int, str, ContentFacts] | None:

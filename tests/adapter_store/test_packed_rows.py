@@ -14,7 +14,7 @@ from shared.adapter_format import load_adapter
 from shared.model_config import ModelConfig
 from shared.wire import AcquireAdapter, DeleteAdapter, Ping, ReleaseAdapter
 
-from .test_durability import registered_then_restarted
+from .test_durability import register
 
 
 def rows_at(loc) -> torch.Tensor:
@@ -29,8 +29,18 @@ def packed_files(store) -> list:
     return sorted(p for p in (store.data_dir / "packed").rglob("*") if p.is_file())
 
 
+def registered(store_factory, folder, **flags):
+    """The card of `folder` registered as "a" with a store started with `flags`, and that store."""
+    store = store_factory(dtype="bfloat16", **flags)
+    client = store.client()
+    try:
+        return register(client, folder, "a"), store
+    finally:
+        client.close()
+
+
 def acquire_rows(store, card) -> tuple[torch.Tensor, int]:
-    """The rows a worker gets for `card` from a freshly started store, and its packed_reads afterwards."""
+    """The rows a worker gets for `card`, and the store's packed_reads afterwards."""
     client = store.client()
     try:
         loc = client.call(AcquireAdapter(card.id, "worker-0"))
@@ -41,46 +51,58 @@ def acquire_rows(store, card) -> tuple[torch.Tensor, int]:
         client.close()
 
 
-def test_a_content_loaded_once_is_read_back_as_packed_rows_exactly(store_factory, tiny_model_dir, tiny_adapter_dirs):
+def restarted(store, store_factory, **flags):
+    """A fresh process of the same store (empty arena: every acquire comes from disk)."""
+    store.stop()
+    return store_factory(dtype="bfloat16", **flags)
+
+
+def want_rows(tiny_model_dir, folder) -> torch.Tensor:
     cfg = ModelConfig.from_dir(tiny_model_dir)
-    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[0])],
-                                               dtype="bfloat16", packed_rows_min_free_gb=0)
-    want = pack_adapter(load_adapter(tiny_adapter_dirs[0], cfg), cfg, cfg.kv_dim, torch.bfloat16).rows
-    assert packed_files(store) == []
-    rows, packed_reads = acquire_rows(store, card)
-    assert torch.equal(rows, want) and packed_reads == 0, "the first load packs the blob"
+    return pack_adapter(load_adapter(folder, cfg), cfg, cfg.kv_dim, torch.bfloat16).rows
+
+
+def test_a_registered_content_loads_from_disk_as_one_read_of_its_packed_rows(
+        store_factory, tiny_model_dir, tiny_adapter_dirs):
+    card, store = registered(store_factory, tiny_adapter_dirs[0], packed_rows_min_free_gb=0)
     (written,) = packed_files(store)
-    assert written.name == card.sha256
+    assert written.name == card.sha256, "registration writes the content's rows"
+    store = restarted(store, store_factory, packed_rows_min_free_gb=0)
+    rows, packed_reads = acquire_rows(store, card)
+    assert torch.equal(rows, want_rows(tiny_model_dir, tiny_adapter_dirs[0])) and packed_reads == 1
     store.stop()
 
-    again = store_factory(dtype="bfloat16", packed_rows_min_free_gb=0)  # empty arena: the load comes from disk again
-    rows, packed_reads = acquire_rows(again, card)
-    assert torch.equal(rows, want) and packed_reads == 1, "the second one reads the packed rows"
-    again.stop()
+
+def test_a_content_stored_without_packed_rows_gets_them_at_its_first_load(
+        store_factory, tiny_model_dir, tiny_adapter_dirs):
+    card, store = registered(store_factory, tiny_adapter_dirs[1], packed_rows=False)
+    assert packed_files(store) == []
+    store = restarted(store, store_factory, packed_rows_min_free_gb=0)
+    want = want_rows(tiny_model_dir, tiny_adapter_dirs[1])
+    rows, packed_reads = acquire_rows(store, card)
+    assert torch.equal(rows, want) and packed_reads == 0, "the first load packs the blob"
+    assert [p.name for p in packed_files(store)] == [card.sha256]
+    store = restarted(store, store_factory, packed_rows_min_free_gb=0)
+    rows, packed_reads = acquire_rows(store, card)
+    assert torch.equal(rows, want) and packed_reads == 1, "the next one reads the packed rows"
+    store.stop()
 
 
 def test_a_damaged_packed_file_is_passed_over_and_written_again(store_factory, tiny_model_dir, tiny_adapter_dirs):
-    cfg = ModelConfig.from_dir(tiny_model_dir)
-    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[1])],
-                                               dtype="bfloat16", packed_rows_min_free_gb=0)
-    want = pack_adapter(load_adapter(tiny_adapter_dirs[1], cfg), cfg, cfg.kv_dim, torch.bfloat16).rows
-    acquire_rows(store, card)
+    card, store = registered(store_factory, tiny_adapter_dirs[1], packed_rows_min_free_gb=0)
     store.stop()
     (written,) = packed_files(store)
     whole = written.read_bytes()
     written.write_bytes(whole[:-5])  # torn by a crash
-
-    again = store_factory(dtype="bfloat16", packed_rows_min_free_gb=0)
-    rows, packed_reads = acquire_rows(again, card)
-    assert torch.equal(rows, want) and packed_reads == 0
+    store = restarted(store, store_factory, packed_rows_min_free_gb=0)
+    rows, packed_reads = acquire_rows(store, card)
+    assert torch.equal(rows, want_rows(tiny_model_dir, tiny_adapter_dirs[1])) and packed_reads == 0
     assert written.read_bytes() == whole, "rebuilt from the blob"
-    again.stop()
+    store.stop()
 
 
 def test_deleting_the_last_name_of_a_content_deletes_its_packed_rows(store_factory, tiny_adapter_dirs):
-    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[2])],
-                                               dtype="bfloat16", packed_rows_min_free_gb=0)
-    acquire_rows(store, card)
+    card, store = registered(store_factory, tiny_adapter_dirs[2], packed_rows_min_free_gb=0)
     assert len(packed_files(store)) == 1
     client = store.client()
     try:
@@ -91,21 +113,24 @@ def test_deleting_the_last_name_of_a_content_deletes_its_packed_rows(store_facto
     store.stop()
 
 
-def test_packed_rows_off_writes_none(store_factory, tiny_adapter_dirs):
-    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[0])], dtype="bfloat16",
-                                               packed_rows=False)
+def test_packed_rows_turned_off_are_dropped_and_loads_read_the_blob(store_factory, tiny_model_dir, tiny_adapter_dirs):
+    card, store = registered(store_factory, tiny_adapter_dirs[0], packed_rows_min_free_gb=0)
+    assert len(packed_files(store)) == 1
+    store = restarted(store, store_factory, packed_rows=False)
+    assert not (store.data_dir / "packed").exists(), "their disk space comes back"
     rows, packed_reads = acquire_rows(store, card)
-    assert packed_reads == 0 and packed_files(store) == []
+    assert torch.equal(rows, want_rows(tiny_model_dir, tiny_adapter_dirs[0])) and packed_reads == 0
+    assert not (store.data_dir / "packed").exists()
     store.stop()
 
 
-def test_no_packed_rows_are_written_into_the_disk_reserve(store_factory, tiny_adapter_dirs):
-    # A reserve larger than any disk: loads still work, from the blob each time.
-    (card,), store = registered_then_restarted(store_factory, [("a", tiny_adapter_dirs[0])], dtype="bfloat16",
-                                               packed_rows_min_free_gb=1e9)
+def test_no_packed_rows_are_written_into_the_disk_reserve(store_factory, tiny_model_dir, tiny_adapter_dirs):
+    # A reserve larger than any disk: registrations and loads still work, from the blob each time.
+    card, store = registered(store_factory, tiny_adapter_dirs[0], packed_rows_min_free_gb=1e9)
+    store = restarted(store, store_factory, packed_rows_min_free_gb=1e9)
     rows, packed_reads = acquire_rows(store, card)
+    assert torch.equal(rows, want_rows(tiny_model_dir, tiny_adapter_dirs[0]))
     assert packed_reads == 0 and packed_files(store) == []
-    assert rows.abs().sum() > 0
     store.stop()
 
 
