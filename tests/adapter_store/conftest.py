@@ -179,3 +179,16 @@ def store_client(store):
 
 def adapter_files(folder: Path) -> tuple[bytes, bytes]:
     return (folder / "adapter_config.json").read_bytes(), (folder / "adapter_model.safetensors").read_bytes()
+
+
+def arena_rows(loc):
+    """A copy of the rows an AdapterLocation points at, read from the arena as a worker reads them."""
+    from multiprocessing import shared_memory
+
+    from services.adapter_store.arena_reader import location_rows
+
+    shm = shared_memory.SharedMemory(name=loc.segment)
+    try:
+        return location_rows(shm, loc).clone()
+    finally:
+        shm.close()

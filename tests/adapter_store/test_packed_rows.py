@@ -2,11 +2,8 @@
 and a damaged or stale file never serves a load."""
 from __future__ import annotations
 
-from multiprocessing import shared_memory
-
 import torch
 
-from services.adapter_store.arena_reader import location_rows
 from services.adapter_store.contents import check_fingerprint
 from services.adapter_store.packed_rows import PackedRows
 from services.gpu_worker.adapter_layout import pack_adapter
@@ -14,15 +11,8 @@ from shared.adapter_format import load_adapter
 from shared.model_config import ModelConfig
 from shared.wire import AcquireAdapter, DeleteAdapter, Ping, ReleaseAdapter
 
+from .conftest import arena_rows
 from .test_durability import register
-
-
-def rows_at(loc) -> torch.Tensor:
-    shm = shared_memory.SharedMemory(name=loc.segment)
-    try:
-        return location_rows(shm, loc).clone()
-    finally:
-        shm.close()
 
 
 def packed_files(store) -> list:
@@ -44,7 +34,7 @@ def acquire_rows(store, card) -> tuple[torch.Tensor, int]:
     client = store.client()
     try:
         loc = client.call(AcquireAdapter(card.id, "worker-0"))
-        rows = rows_at(loc)
+        rows = arena_rows(loc)
         client.call(ReleaseAdapter(card.id, "worker-0", call_id="r"))
         return rows, client.call(Ping()).packed_reads
     finally:

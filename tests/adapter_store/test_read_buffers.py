@@ -2,17 +2,16 @@
 from __future__ import annotations
 
 import threading
-from multiprocessing import shared_memory
 
 import torch
 
-from services.adapter_store.arena_reader import location_rows
 from services.adapter_store.read_buffers import GROWTH, ReadBuffers
 from services.gpu_worker.adapter_layout import pack_adapter
 from shared.adapter_format import load_adapter
 from shared.model_config import ModelConfig
 from shared.wire import AcquireAdapter, ReleaseAdapter
 
+from .conftest import arena_rows
 from .test_durability import registered_then_restarted
 
 
@@ -32,14 +31,6 @@ def test_a_thread_reuses_its_buffer_and_grows_it_only_for_a_larger_read():
     assert others == [0], "another thread has a buffer of its own"
 
 
-def rows_at(loc) -> torch.Tensor:
-    shm = shared_memory.SharedMemory(name=loc.segment)
-    try:
-        return location_rows(shm, loc).clone()
-    finally:
-        shm.close()
-
-
 def test_adapters_read_one_after_another_by_one_load_thread_each_load_exactly(
         store_factory, tiny_model_dir, tmp_path):
     # Ranks large, small, large: the second read fills only part of the buffer the first left behind, the
@@ -57,10 +48,10 @@ def test_adapters_read_one_after_another_by_one_load_thread_each_load_exactly(
         locs = []
         for card, want in zip(cards, wants):
             loc = client.call(AcquireAdapter(card.id, "worker-0"))
-            assert torch.equal(rows_at(loc), want)
+            assert torch.equal(arena_rows(loc), want)
             locs.append(loc)
         for loc, want in zip(locs, wants):
-            assert torch.equal(rows_at(loc), want), "rows in the arena are copies, not views of the buffer"
+            assert torch.equal(arena_rows(loc), want), "rows in the arena are copies, not views of the buffer"
         for card in cards:
             client.call(ReleaseAdapter(card.id, "worker-0", call_id=f"r-{card.id}"))
     finally:
