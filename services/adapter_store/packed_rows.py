@@ -29,6 +29,7 @@ import torch
 
 from services.gpu_worker import adapter_layout
 from services.gpu_worker.adapter_layout import PackedAdapter
+from shared.model_config import MODULES
 
 log = structlog.get_logger("adapter_store")
 
@@ -48,6 +49,7 @@ class PackedRows:
     def __init__(self, data_dir: str | os.PathLike, dtype: torch.dtype, slot_width: int, fingerprint: str,
                  min_free_bytes: int = 0):
         self.dtype = dtype
+        self.slot_width = slot_width
         self.min_free_bytes = min_free_bytes
         self.skipped_for_space = 0  # files not written to keep min_free_bytes free
         key = hashlib.sha256(f"{fingerprint}|{dtype}|{slot_width}|".encode()
@@ -73,6 +75,9 @@ class PackedRows:
                     return self._unreadable(path, "not a packed rows file")
                 header = json.loads(f.read(n))
                 shape = tuple(int(d) for d in header["shape"])
+                if len(shape) != 4 or shape[3] != self.slot_width or min(shape) < 1 or any(
+                        len(header[k]) != len(MODULES) for k in ("ranks", "a_off", "b_off")):
+                    return self._unreadable(path, f"rows {shape} do not fit this store's layout")
                 nbytes = math.prod(shape) * self.dtype.itemsize
                 if size != _PREFIX.size + n + nbytes:
                     return self._unreadable(path, f"{size} bytes, the header says {_PREFIX.size + n + nbytes}")
@@ -105,10 +110,11 @@ class PackedRows:
         tmp = self.root / f"{sha256}.{os.getpid()}-{threading.get_ident()}{_TMP_SUFFIX}"
         try:
             with open(tmp, "wb", buffering=0) as f:
-                f.write(_PREFIX.pack(MAGIC, len(header)) + header)
-                view = memoryview(packed.rows.contiguous().view(torch.uint8).reshape(-1).numpy())
-                while view:
-                    view = view[f.write(view):]
+                for part in (_PREFIX.pack(MAGIC, len(header)) + header,
+                             packed.rows.contiguous().view(torch.uint8).reshape(-1).numpy()):
+                    view = memoryview(part)
+                    while view:  # an unbuffered write may take part of it
+                        view = view[f.write(view):]
             os.replace(tmp, final)
         except OSError as e:  # a full disk costs the next load a repack, never the load itself
             tmp.unlink(missing_ok=True)

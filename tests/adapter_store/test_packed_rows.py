@@ -139,3 +139,21 @@ def test_startup_keeps_only_the_current_layout_and_stored_contents(tmp_path, tin
     assert [p.name for p in current.root.iterdir()] == [kept] and not old.root.exists()
     assert current.read(kept, "a") is None, "a file that is not packed rows serves nothing"
     assert not current.path(kept).exists(), "and is dropped"
+
+
+def test_packed_rows_read_back_exactly_and_a_file_of_another_layout_serves_nothing(tmp_path, tiny_model_dir,
+                                                                                   tiny_adapter_dirs):
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    rows = PackedRows(tmp_path, torch.bfloat16, cfg.kv_dim, check_fingerprint(cfg, 256))
+    packed = pack_adapter(load_adapter(tiny_adapter_dirs[0], cfg), cfg, cfg.kv_dim, torch.bfloat16)
+    sha = "c" * 64
+    rows.write(sha, packed)
+    arena_range = torch.zeros(packed.rows.numel() * 2, dtype=torch.uint8)
+    read, in_place = rows.read(sha, "a", arena_range)
+    assert in_place and torch.equal(read.rows, packed.rows)
+    assert (read.ranks, read.a_off, read.b_off) == (packed.ranks, packed.a_off, packed.b_off)
+    read, in_place = rows.read(sha, "a", torch.zeros(7, dtype=torch.uint8))  # the card's estimate was off
+    assert not in_place and torch.equal(read.rows, packed.rows)
+    narrower = PackedRows(tmp_path, torch.bfloat16, cfg.kv_dim // 2, "x")
+    narrower.path(sha).write_bytes(rows.path(sha).read_bytes())
+    assert narrower.read(sha, "a") is None and not narrower.path(sha).exists()
