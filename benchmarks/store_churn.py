@@ -27,7 +27,8 @@ What the line means:
 - loads / loads_total: adapters the store laid into the arena, in the window / over warm-up, window and
   drain; evictions: adapters it evicted in the window; blob_reads: blobs it read from disk in the window,
   laid in or not (an acquire of an adapter already being read joins that read; rows refused once read, e.g.
-  as arena_full, still count). All from the counters in the store's Pong (arena_loads, arena_evictions,
+  as arena_full, still count); packed_reads: those of them read as packed rows (one read into the arena,
+  no repack). All from the counters in the store's Pong (arena_loads, arena_evictions,
   blob_reads; loads_source says so), asked by a Ping at each edge of the window. The store answers a Ping
   when its loop gets to it, so the window's deltas cover counters_span_s, the time between the two
   answers, and loads_per_s divides by that; counters_lag_ms says how long after each edge the answer came
@@ -481,6 +482,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         "counters_span_s": round(span, 3), "counters_lag_ms": edges.lag_ms(),
         "evictions": pong_end.arena_evictions - pong_start.arena_evictions,
         "blob_reads": pong_end.blob_reads - pong_start.blob_reads,
+        "packed_reads": pong_end.packed_reads - pong_start.packed_reads,
         "distinct_cold_acquired": len(churn.acquired - resident),
         "store_read_gb": round(read / 1e9, 3) if read is not None else None,
         "store_cpu_s": round(store_cpu, 2) if store_cpu is not None else None,
