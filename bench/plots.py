@@ -3,7 +3,8 @@
 - throughput vs number of adapters: one figure per setting, a line per system (and rate, cv, policy where
   the file holds several), log-scaled n; a system measured at one n only is a single point;
 - throughput and SLO attainment vs request rate: one figure per setting, a line per system and n;
-- SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy.
+- SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy;
+- over all files: loraplex's throughput and roofline fraction vs n, a line per setting (`plot_settings`).
 Otherwise a line is drawn only where its x varies (two points at least). A point measured twice counts once (the
 later line: a rerun replaces it). `plot_file` returns what it drew, figure by figure, read back from the
 figures' own lines, so a caller (or a test) sees exactly the plotted series.
@@ -15,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 GROUP_KEYS = ("setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy")
-LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": ""}
+LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": "", "setting": ""}
 
 
 def read_lines(path: str | Path) -> list[dict]:
@@ -129,8 +130,24 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
     return written
 
 
+def plot_settings(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
+    """loraplex's throughput and roofline fraction vs number of adapters, a line per setting, over all the
+    files: the settings side by side in one figure ({} unless two settings have a curve each)."""
+    lines = [x for path in paths for x in read_lines(path) if x["system"] == "loraplex"]
+    panels = [("throughput (req/s)", "throughput_rps", _series(lines, "n_adapters", "throughput_rps", ()).get((), {})),
+              ("fraction of the roofline", "roofline_fraction",
+               _series(lines, "n_adapters", "roofline_fraction", ()).get((), {}))]
+    if len(panels[0][2]) < 2:
+        return {}
+    out = Path(out_dir) if out_dir is not None else Path(paths[0]).parent
+    png = out / "settings-throughput-vs-adapters.png"
+    return {str(png): _figure([p for p in panels if p[2]], "loraplex by setting: throughput vs number of adapters",
+                              "adapters (n)", True, png)}
+
+
 def plot_all(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
     written: dict[str, dict] = {}
     for path in paths:
         written.update(plot_file(path, out_dir))
+    written.update(plot_settings(paths, out_dir))
     return written

@@ -72,3 +72,22 @@ def test_bad_lines_name_the_file_and_line(tmp_path):
     bad.write_text(json.dumps({"setting": "S2"}) + "\n")
     with pytest.raises(ValueError, match="lacks system"):
         read_lines(bad)
+
+
+def test_settings_side_by_side_over_several_files(tmp_path):
+    from bench.plots import plot_all
+
+    s1 = [line(n=n, setting="S1", rate=40.0, throughput_rps=26.0 - n / 1000, roofline_fraction=0.6) for n in (5, 100, 2000)]
+    s2 = [line(n=n, setting="S2", rate=40.0, throughput_rps=27.0 - n / 500, roofline_fraction=0.5) for n in (5, 2000)]
+    s2 += [line("base-only", 100, setting="S2", rate=40.0, throughput_rps=32.0, roofline_fraction=0.7)]
+    rate = [line(n=200, setting="S2", rate=r, throughput_rps=r) for r in (4.0, 8.0)]  # one n: no curve here
+    files = [write(tmp_path / "s1.jsonl", s1), write(tmp_path / "s2.jsonl", s2), write(tmp_path / "rate.jsonl", rate)]
+    drawn = plot_all(files, tmp_path / "png")
+    png = str(tmp_path / "png" / "settings-throughput-vs-adapters.png")
+    assert open(png, "rb").read(8) == PNG_MAGIC
+    assert drawn[png]["throughput_rps"] == {"S1": [(5.0, 25.995), (100.0, 25.9), (2000.0, 24.0)],
+                                           "S2": [(5.0, 26.99), (2000.0, 23.0)]}
+    assert drawn[png]["roofline_fraction"] == {"S1": [(5.0, 0.6), (100.0, 0.6), (2000.0, 0.6)],
+                                               "S2": [(5.0, 0.5), (2000.0, 0.5)]}
+    # One setting alone: its own file's figure says it all.
+    assert not any("settings-" in p for p in plot_all(files[:1], tmp_path / "one"))
