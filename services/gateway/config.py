@@ -29,11 +29,14 @@ class GatewayConfig:
     ping_interval_s: float = _doc("how often the scheduler and store are pinged (readiness, metrics)", 0.5)
     peer_timeout_s: float = _doc("a scheduler or store silent this long is down: open requests fail with 503", 3.0)
     drain_timeout_s: float = _doc("on SIGTERM, time in-flight requests get to finish while new ones get 503", 30.0)
+    keep_alive_s: int = _doc("seconds an idle client connection stays open; longer than clients' own pools keep "
+                             "idle connections (httpx 5 s, most proxies 60 s), so that the client closes them: "
+                             "a server that closes first can race a request being sent on the connection", 75)
     log_level: str = _doc("log level: debug, info, warning, error", "info")
     log_json: bool = _doc("log one JSON object per line", False)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_upload_bytes", "default_max_tokens"):
+        for name in ("max_body_bytes", "max_upload_bytes", "default_max_tokens", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len < 0:

@@ -54,6 +54,6 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(config, state)
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_config=None, access_log=False,
-                       timeout_graceful_shutdown=5, lifespan="on"),
+                       timeout_graceful_shutdown=5, timeout_keep_alive=config.keep_alive_s, lifespan="on"),
         state, config.drain_timeout_s)
     server.run()

@@ -63,3 +63,37 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(peers, tiny_mode
         assert gw.proc.wait(10) == 0
     finally:
         gw.stop()
+
+
+def _get_on(sock, path: str) -> int:
+    """One HTTP/1.1 GET on an open socket, read to the end of its body; the status, or 0 if the server had
+    closed the connection."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: gateway\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return 0
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1])
+
+
+def test_an_idle_connection_stays_open_for_keep_alive_s_then_the_server_closes_it(peers, tiny_model_dir, tmp_path):
+    import socket
+
+    gw = GatewayProcess(tmp_path, tiny_model_dir, peers, keep_alive_s=2)
+    try:
+        gw.wait_ready()
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            assert _get_on(sock, "/health") == 200
+            time.sleep(1.0)  # idle, but under keep_alive_s: the same connection serves the next request
+            assert _get_on(sock, "/health") == 200
+            time.sleep(3.0)  # idle past keep_alive_s: the server has closed it
+            sock.settimeout(2)
+            assert sock.recv(1) == b""
+    finally:
+        gw.stop()
