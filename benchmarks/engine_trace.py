@@ -33,8 +33,10 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=15.0)
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
-    # Every other engine setting as the worker's own flag (e.g. --no-overlap-steps, --admission-batch 1).
-    set_here = ("device", "dtype", "num_slots", "max_lora_rank", "max_resident_adapters", "max_running_requests",
+    # Every other engine setting as the worker's own flag (e.g. --no-overlap-steps, --admission-batch 1), with
+    # the worker's defaults: max_resident_adapters among them, since it bounds the segments the LoRA kernels
+    # launch in a decode graph, so a trace launches what a serving worker launches.
+    set_here = ("device", "dtype", "num_slots", "max_lora_rank", "max_running_requests",
                 "max_batched_tokens", "cuda_graph_max_batch")
     add_config_arguments(p.add_argument_group("engine"), EngineConfig, skip=set_here)
     p.add_argument("--out", default="engine_trace.json")
@@ -43,7 +45,7 @@ def main() -> int:
     ranks = [int(r) for r in args.ranks.split(",")]
     extra = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in set_here}
     config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=0, max_lora_rank=max(ranks),
-                          max_resident_adapters=max(args.adapters, 1) + 8, max_running_requests=args.max_running,
+                          max_running_requests=args.max_running,
                           max_batched_tokens=args.max_batched_tokens, cuda_graph_max_batch=args.max_running,
                           **extra)
     engine = Engine.with_dummy_weights(cfg, config)
