@@ -103,6 +103,7 @@ class Launcher:
         self.children: list[Child] = []
         self.stop_requested = False
         self.force_stop = False
+        self.stop_signal: int | None = None  # the signal that asked for the stop (logged by `stop`)
         self.demo_folders: list[Path] = []
 
     # ---- 1) prepare ------------------------------------------------------------------------------
@@ -253,16 +254,21 @@ class Launcher:
 
     # ---- 4) stop ---------------------------------------------------------------------------------
     def request_stop(self, signum, _frame) -> None:
+        """The SIGTERM/SIGINT handler: flags and signals to children only, nothing that logs. A handler runs
+        between two bytecodes of the main thread, possibly inside a log write holding the log's
+        (non-reentrant) lock, where a log call would wait forever: two signals close together (a second
+        Ctrl-C, or `timeout` forwarding one) hung the launcher that way. `stop` logs what was asked."""
         if self.stop_requested:
             self.force_stop = True
-            log.warning("launcher.stop_now")
             for child in self.children:
                 child.signal(signal.SIGKILL)
             return
-        log.info("launcher.stopping", signal=signal.Signals(signum).name)
+        self.stop_signal = signum
         self.stop_requested = True
 
     def stop(self) -> None:
+        if self.stop_signal is not None:
+            log.info("launcher.stopping", signal=signal.Signals(self.stop_signal).name)
         by_name = {c.name: c for c in self.children}
         front = [c for c in (by_name.get("gateway"), by_name.get("scheduler")) if c is not None]
         # Drain: both stop taking requests (503) and let in-flight ones finish, the gateway streaming them.
@@ -272,6 +278,8 @@ class Launcher:
         for child in front:
             if not child.wait(deadline - time.monotonic()):
                 log.warning("launcher.drain_timeout", child=child.name)
+        if self.force_stop:
+            log.warning("launcher.stop_now")  # a second signal: every child was killed at once
         backends = [c for c in self.children if c.name not in ("gateway", "redis")]
         stop_children(front + backends, 15.0)
         stop_children([c for c in self.children if c.name == "redis"], 15.0)

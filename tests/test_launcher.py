@@ -61,6 +61,33 @@ def launcher_with(tmp_path, *children: Child) -> Launcher:
     return launcher
 
 
+def test_a_stop_signal_sets_flags_without_logging_and_a_second_one_kills_every_child(tmp_path):
+    # A signal handler runs between two bytecodes of the main thread, maybe inside a log write that holds
+    # the log's lock; a handler that logs would then wait forever. So the handler must not log at all.
+    import io
+
+    from shared.log import configure_logging
+
+    child = Child("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], ready=lambda c: True)
+    launcher = launcher_with(tmp_path, child)
+    child.start()
+    written = io.StringIO()
+    configure_logging(stream=written)
+    try:
+        launcher.request_stop(signal.SIGTERM, None)
+        assert launcher.stop_requested and not launcher.force_stop and child.running()
+        launcher.request_stop(signal.SIGINT, None)  # a second Ctrl-C: stop at once
+        assert launcher.force_stop
+        assert wait_for(lambda: not child.running(), 5)
+        assert written.getvalue() == "", "the handler logged"
+        launcher.stop()  # the main thread logs what was asked
+        assert "launcher.stopping" in written.getvalue() and "SIGTERM" in written.getvalue()
+        assert "launcher.stop_now" in written.getvalue()
+    finally:
+        configure_logging()
+        stop_children([child], 5)
+
+
 def test_a_dead_child_is_restarted(tmp_path):
     child = Child("flaky", [sys.executable, "-c", "import time; time.sleep(0.2)"], ready=lambda c: True)
     launcher = launcher_with(tmp_path, child)

@@ -118,6 +118,7 @@ class Scheduler:
         self.dirty = False
         self.next_hint = 0.0
         self.draining_since: float | None = None
+        self._drain_logged = False
         self.stopped = False
         self.parent_pid = os.getppid()
 
@@ -192,11 +193,16 @@ class Scheduler:
         self.stopped = True
 
     def begin_drain(self) -> None:
+        """The SIGTERM/SIGINT handler: a plain assignment only. A handler runs between two bytecodes of the
+        loop, possibly inside a log write that holds the log's (non-reentrant) lock, so a log call here could
+        wait on it forever; the loop logs the drain when it sees it."""
         if self.draining_since is None:
             self.draining_since = time.monotonic()
-            self.log.info("draining", queued=len(self.queue), running=len(self.inflight))
 
     def _drain_step(self, now: float) -> None:
+        if not self._drain_logged:
+            self._drain_logged = True
+            self.log.info("draining", queued=len(self.queue), running=len(self.inflight))
         if not self.queue and not self.inflight:
             self.log.info("drained")
             self.stopped = True

@@ -81,7 +81,8 @@ class SchedulerProcess:
         argv = [sys.executable, "-m", "services.scheduler"]
         for key, value in args.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
-        self.proc = subprocess.Popen(argv, stderr=open(tmp_path / "scheduler.log", "w"))
+        self.log_path = tmp_path / "scheduler.log"
+        self.proc = subprocess.Popen(argv, stderr=open(self.log_path, "w"))
         self.ctx = zmq.Context()
         self.peers = []
 
