@@ -354,19 +354,7 @@ class AdapterStore:
         when its size differs from the card's estimate (False); a failure is returned, for the loop to give
         the range back before it answers."""
         try:
-            card = self._card(aid)
-            read = self._read_packed(card, aid, dest)
-            if read is not None:
-                return read
-            weights = self.read_weights(aid, card)
-            ranks = tuple(weights.module_rank(m) for m in MODULES)
-            if packed_nbytes(ranks, self.model, self.slot_width, self.dtype) == dest.numel():
-                read = pack_adapter(weights, self.model, self.slot_width, self.dtype, out=dest), True
-            else:
-                read = pack_adapter(weights, self.model, self.slot_width, self.dtype), False
-            if self.packed is not None:
-                self.packed.write(card.sha256, read[0])
-            return read
+            return self._rows_from_disk(aid, dest)
         except Exception as e:
             return e
 
@@ -434,31 +422,33 @@ class AdapterStore:
     def prepare_load(self, aid: str) -> PackedAdapter:
         """An adapter's rows in the arena's format, in memory of their own (a hint's load). Touches no arena
         state: it runs on the pool."""
+        return self._rows_from_disk(aid)[0]
+
+    def _rows_from_disk(self, aid: str, dest=None) -> tuple[PackedAdapter, bool]:
+        """An adapter's rows and whether they went into `dest` (a byte range exactly their size), else into
+        memory of their own: one read of its packed rows file when there is one, else its blob read,
+        checked and packed (and the packed rows kept for the next time)."""
         card = self._card(aid)
-        read = self._read_packed(card, aid)
-        if read is not None:
-            return read[0]
-        packed = pack_adapter(self.read_weights(aid, card), self.model, self.slot_width, self.dtype)
+        if self.packed is not None:
+            read = self.packed.read(card.sha256, aid, dest)
+            if read is not None:
+                with self._reads_lock:
+                    self.blob_reads += 1
+                    self.packed_reads += 1
+                return read
+        weights = self.read_weights(aid, card)
+        ranks = tuple(weights.module_rank(m) for m in MODULES)
+        in_place = dest is not None and packed_nbytes(ranks, self.model, self.slot_width, self.dtype) == dest.numel()
+        packed = pack_adapter(weights, self.model, self.slot_width, self.dtype, out=dest if in_place else None)
         if self.packed is not None:
             self.packed.write(card.sha256, packed)
-        return packed
+        return packed, in_place
 
     def _card(self, aid: str) -> AdapterCard:
         card = self.registry.by_id(aid)
         if card is None:
             raise not_found(aid, "adapter")
         return card
-
-    def _read_packed(self, card: AdapterCard, aid: str, out=None):
-        """(rows, read into `out`) from the content's packed rows file, or None when it has none."""
-        if self.packed is None:
-            return None
-        read = self.packed.read(card.sha256, aid, out)
-        if read is not None:
-            with self._reads_lock:
-                self.blob_reads += 1
-                self.packed_reads += 1
-        return read
 
     def read_weights(self, aid: str, card: AdapterCard | None = None):
         """An adapter's weights from its stored blob (read from disk). Its tensors are views of this thread's
