@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--since", default="", metavar="ISO_TIME",
                        help="measure again every point whose line started before this time (UTC, e.g. "
                             "2026-11-29T18:40); the older lines stay in the file, the latest line of a point wins")
+    sweep.add_argument("--only", action="append", default=[], metavar="TEXT",
+                       help="run only the points whose key contains TEXT (e.g. /n=5/ or base-only; repeat for any "
+                            "of several); the others stay as they are")
     sweep.add_argument("--quiet", action="store_true", help="no progress bars")
     sweep.add_argument("--gpus", default="1", metavar="N|I,J,..",
                        help="spread the points over this many GPUs of the host (or these GPU ids, so that other "
@@ -134,7 +137,7 @@ def _command(argv: list[str]) -> str:
 
 
 def cmd_sweep(args, argv) -> int:
-    from bench.driver import MORE_PIECES, Driver, SweepSpec, expand, done_keys, groups, point_key, shard_of
+    from bench.driver import MORE_PIECES, Driver, SweepSpec, done_keys, expand, groups, point_key, selected, shard_of
 
     spec = SweepSpec.load(args.spec)
     results = Path(args.out_dir) / f"{spec.name}.jsonl"
@@ -146,7 +149,7 @@ def cmd_sweep(args, argv) -> int:
                              "2026-11-29T18:40") from None
     if args.dry_run:
         done = done_keys(results, args.since)
-        for key, group in groups(expand(spec)):
+        for key, group in groups(selected(expand(spec), tuple(args.only))):
             todo = [p for p in group if point_key(p) not in done]
             sys.stdout.write(f"stack {'/'.join(str(k) for k in key)}: {len(group) - len(todo)} done, {len(todo)} to run\n")
             for p in todo:
@@ -165,7 +168,7 @@ def cmd_sweep(args, argv) -> int:
         lane = f"gpu{args.gpu}"
     _unwind_on_sigterm()
     driver = Driver(spec, args.work_dir, results, args.budget_s, _command(argv), progress=not args.quiet,
-                    since=args.since, lane=lane, shard=shard)
+                    since=args.since, lane=lane, shard=shard, only=tuple(args.only))
     if spread:
         from bench.lanes import sweep_on_gpus
 

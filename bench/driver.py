@@ -230,6 +230,12 @@ def append_line(results: Path, line: dict) -> None:
         os.fsync(f.fileno())
 
 
+def selected(points: list, only: tuple[str, ...] = ()) -> list:
+    """The points whose key contains one of `only` (all of them when it is empty): `--only /n=5/` runs one n of
+    a sweep, so a short lease measures again the points a change concerns, not the whole sweep."""
+    return [p for p in points if not only or any(text in point_key(p) for text in only)]
+
+
 def shard_of(text: str) -> tuple[int, int]:
     """`I/N` -> (I, N): this driver takes every N-th point still to run, starting at the I-th."""
     try:
@@ -302,8 +308,9 @@ class PieceResult:
 class Driver:
     def __init__(self, spec: SweepSpec, work_dir: str | Path, results: str | Path, budget_s: float = DEFAULT_BUDGET_S,
                  command: str = "", progress: bool = True, roofline: bool = True, since: str = "",
-                 lane: str = "", shard: tuple[int, int] = (0, 1)):
+                 lane: str = "", shard: tuple[int, int] = (0, 1), only: tuple[str, ...] = ()):
         self.spec = spec
+        self.only = tuple(only)  # key fragments: run only the points matching one of them
         self.lane = lane  # this driver's GPU among several on the host ("" = the only one)
         self.shard = shard
         self.since = since  # points measured before this (ISO, UTC) count as not measured
@@ -355,7 +362,7 @@ class Driver:
 
     # ---- one piece ---------------------------------------------------------------------------------
     def run_piece(self) -> PieceResult:
-        points = expand(self.spec)
+        points = selected(expand(self.spec), self.only)
         done = done_keys(self.results, self.since)
         pending = [(key, [p for p in group if point_key(p) not in done]) for key, group in groups(points)]
         pending = self.my_share([(key, group) for key, group in pending if group])

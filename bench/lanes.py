@@ -24,11 +24,13 @@ LANE_FAILED = 1
 
 
 def lane_argv(spec: str, gpu: int, shard: int, shards: int, budget_s: float, work_dir: Path, out_dir: str,
-              since: str, quiet: bool) -> list[str]:
+              since: str, quiet: bool, only: tuple[str, ...] = ()) -> list[str]:
     argv = [sys.executable, "-m", "shared.cli", "bench", "sweep", spec, "--budget-s", f"{budget_s:.0f}",
             "--work-dir", str(work_dir), "--out-dir", out_dir, "--gpu", str(gpu), "--shard", f"{shard}/{shards}"]
     if since:
         argv += ["--since", since]
+    for text in only:
+        argv += ["--only", text]
     return argv + (["--quiet"] if quiet else [])
 
 
@@ -70,9 +72,9 @@ def run_lanes(argvs: list[list[str]], labels: list[str]) -> list[int]:
 def sweep_on_gpus(driver, spec_path: str, gpus: list[int], work_dir: Path, out_dir: str, since: str,
                   quiet: bool) -> int:
     """The parent of `--gpus N`: population first, then the lanes; the sweep's exit status."""
-    from bench.driver import ADAPTER_SYSTEMS, MORE_PIECES, done_keys, expand, point_key
+    from bench.driver import ADAPTER_SYSTEMS, MORE_PIECES, done_keys, expand, point_key, selected
 
-    points = expand(driver.spec)
+    points = selected(expand(driver.spec), driver.only)
     done = done_keys(driver.results, since)  # read once: the results file may be long
     todo = [p for p in points if point_key(p) not in done]
     n = max((p.n_adapters for p in todo if p.system in ADAPTER_SYSTEMS), default=0)
@@ -82,7 +84,7 @@ def sweep_on_gpus(driver, spec_path: str, gpus: list[int], work_dir: Path, out_d
             sys.stdout.write("stopped: adapter generation reached the budget; run the same command again to continue\n")
             return MORE_PIECES
     budget = driver.left()
-    argvs = [lane_argv(spec_path, gpu, i, len(gpus), budget, work_dir, out_dir, since, quiet)
+    argvs = [lane_argv(spec_path, gpu, i, len(gpus), budget, work_dir, out_dir, since, quiet, driver.only)
              for i, gpu in enumerate(gpus)]
     codes = run_lanes(argvs, [f"gpu{gpu}" for gpu in gpus])
     done = done_keys(driver.results, since)

@@ -338,3 +338,26 @@ def test_gpus_are_a_count_or_a_list_of_ids():
     for bad in ("x", "0", "1,1", "-1,2"):
         with pytest.raises(ValueError, match="--gpus"):
             gpus_of(bad)
+
+
+def test_only_runs_the_points_whose_key_matches_and_lanes_pass_it_on(tmp_path):
+    from bench.driver import selected
+    from bench.lanes import lane_argv
+
+    spec = {"name": "some", "setting": "S2", "systems": ["loraplex", "base-only"], "n": [2000, 100, 5],
+            "by_system": {"base-only": {"n": [100]}}, "rates": [40]}
+    spec_path = tmp_path / "some.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    points = expand(SweepSpec.from_dict(spec))
+    picked = [point_key(p) for p in selected(points, ("/n=5/", "base-only"))]
+    assert picked == ["S2/base-only/n=100/alpha=1/R=40/cv=1/early-abort/d=120/seed=0",
+                      "S2/loraplex/n=5/alpha=1/R=40/cv=1/early-abort/d=120/seed=0"]
+    assert len(selected(points, ())) == len(points) == 4
+
+    listed = subprocess.run([sys.executable, "-m", "shared.cli", "bench", "sweep", str(spec_path), "--dry-run",
+                             "--out-dir", str(tmp_path), "--only", "/n=100/"], cwd=REPO, env=child_env(),
+                            capture_output=True, text=True, timeout=120).stdout
+    assert "S2/loraplex/n=100/" in listed and "S2/base-only/n=100/" in listed
+    assert "n=2000" not in listed and "n=5/" not in listed
+    argv = lane_argv(str(spec_path), 1, 0, 2, 500, tmp_path, str(tmp_path), "", True, ("/n=5/", "base-only"))
+    assert argv[argv.index("--only"):argv.index("--only") + 4] == ["--only", "/n=5/", "--only", "base-only"]
