@@ -62,6 +62,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,32,128,256")
     p.add_argument("--adapters", type=int, default=100)
     p.add_argument("--ranks", default="8,16,32,64")
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj",
+                   help="adapted modules, comma-separated, or all (the seven linears, as in S-GQA)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--slots", type=int, default=120_000)
@@ -71,6 +73,7 @@ def main() -> int:
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
     batches = [int(b) for b in args.batches.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
+    targets = tuple(MODULES) if args.targets == "all" else tuple(args.targets.split(","))
     results = []
     for graphs in [m == "graphs" for m in args.modes.split(",")]:
         config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=args.slots, max_lora_rank=max(ranks),
@@ -81,12 +84,12 @@ def main() -> int:
         for i in range(args.adapters):
             name = f"adapter-{i:03d}"
             engine._local_adapters[name] = synthetic_adapter(name, cfg, ranks[i % len(ranks)],
-                                                             ("q_proj", "k_proj", "v_proj", "o_proj"), engine.device)
+                                                             targets, engine.device)
             names.append(name)
         for batch in batches:
             for label, used in (("base", []), ("lora", names)):
                 r = measure(engine, batch, used, args.prompt_len, args.steps)
-                r.update(model=args.model, graphs=graphs, mode=label, adapters=min(len(used), batch))
+                r.update(model=args.model, targets=list(targets), graphs=graphs, mode=label, adapters=min(len(used), batch))
                 results.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
         del engine

@@ -1,7 +1,9 @@
 """Where a decode step's time goes: torch profiler table of GPU kernels for one batch size, base only and
-with distinct adapters (Llama-2-7B shapes, dummy weights, eager so every kernel is visible).
+with distinct adapters (Llama-2-7B shapes with LoRA on q,k,v,o, or Llama-3-8B shapes with LoRA on all seven
+linears as in S-GQA; dummy weights, eager so every kernel is visible).
 
     python benchmarks/profile_decode.py --batch 128 --out profile.txt
+    python benchmarks/profile_decode.py --model llama3-8b --batch 256 --prompt-len 384 --out profile-gqa.txt
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.engine_decode import LLAMA2_7B, synthetic_adapter
+from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, synthetic_adapter
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
@@ -22,22 +24,25 @@ from shared.model_config import ModelConfig
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", choices=["llama2-7b", "llama3-8b"], default="llama2-7b")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--adapters", type=int, default=100)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--graphs", action="store_true", help="replay decode steps from CUDA graphs")
     p.add_argument("--out", default="profile.txt")
     args = p.parse_args()
-    cfg = ModelConfig.from_hf(LLAMA2_7B)
-    engine = Engine.with_dummy_weights(cfg, EngineConfig(device="cuda", dtype="bfloat16", num_slots=80_000,
-                                                         max_lora_rank=64, max_resident_adapters=args.adapters + 4,
+    cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj") if args.model == "llama2-7b" else \
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    engine = Engine.with_dummy_weights(cfg, EngineConfig(device="cuda", dtype="bfloat16", num_slots=0,
+                                                         max_lora_rank=64,
                                                          max_running_requests=args.batch, max_batched_tokens=8192,
                                                          cuda_graphs=args.graphs))
     ranks = (8, 16, 32, 64)
     names = []
     for i in range(args.adapters):
         names.append(f"a{i}")
-        engine._local_adapters[names[-1]] = synthetic_adapter(names[-1], cfg, ranks[i % 4], ("q_proj", "k_proj", "v_proj", "o_proj"), engine.device)
+        engine._local_adapters[names[-1]] = synthetic_adapter(names[-1], cfg, ranks[i % 4], targets, engine.device)
     report = []
     for label, used in (("base", []), ("lora", names)):
         for i in range(args.batch):
@@ -55,7 +60,7 @@ def main() -> int:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 5 * 1e3
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
-        report.append(f"== {label} batch {args.batch}: {wall:.2f} ms/step (profiled, {'graphs' if args.graphs else 'eager'})\n{table}")
+        report.append(f"== {args.model} {label} batch {args.batch}: {wall:.2f} ms/step (profiled, {'graphs' if args.graphs else 'eager'})\n{table}")
         for seq in list(engine.running):
             engine.abort(seq.request_id)
         engine.step()
