@@ -1,7 +1,9 @@
 """Saturation throughput of the engine alone on S-LoRA's workload (no HTTP, no services): every request
 of a trace is queued at once, the engine runs until `--seconds` pass, and the step mix is reported
 (decode steps replayed from CUDA graphs vs eager steps that carry prefill), so the serving ceiling of one
-GPU and where its time goes are known before the whole stack is measured.
+GPU and where its time goes are known before the whole stack is measured. Each kind of step also reports
+how long the host took to launch it (`*_launch_ms`): a launch nearly as long as the step means the GPU waited
+on the host issuing kernels, a short one that the step is bound by its kernels.
 
     python benchmarks/engine_trace.py --adapters 100 --seconds 40 --out trace.json
 """
@@ -64,6 +66,7 @@ def main() -> int:
                                                                          ignore_eos=True), adapter))
     # Warm-up: the first steps compile kernels and capture graphs; measure after --warmup seconds of running.
     steps = {"graph": [], "eager": []}
+    launches = {"graph": [], "eager": []}
     done, out_tokens = 0, 0
     t_start = time.perf_counter()
     warm_until = t_start + args.warmup
@@ -71,12 +74,15 @@ def main() -> int:
     while engine.has_unfinished():
         s0 = time.perf_counter()
         flight = engine.launch_step()
+        launched = time.perf_counter() - s0
         outs = engine.finish_step(flight)  # waits for this flight's tokens (steps launched ahead included)
         dt = time.perf_counter() - s0
         if t0 is None and s0 >= warm_until:
             t0 = s0
         if t0 is not None:
-            steps["graph" if flight.replayed else "eager"].append(dt)
+            kind = "graph" if flight.replayed else "eager"
+            steps[kind].append(dt)
+            launches[kind].append(launched)
             out_tokens += sum(len(o.new_token_ids) for o in outs)
             done += sum(1 for o in outs if o.finished)
             if time.perf_counter() - t0 >= args.seconds:
@@ -87,6 +93,8 @@ def main() -> int:
               "graph_steps": len(steps["graph"]), "eager_steps": len(steps["eager"]),
               "graph_step_ms": 1e3 * float(np.mean(steps["graph"])) if steps["graph"] else None,
               "eager_step_ms": 1e3 * float(np.mean(steps["eager"])) if steps["eager"] else None,
+              "graph_launch_ms": 1e3 * float(np.mean(launches["graph"])) if launches["graph"] else None,
+              "eager_launch_ms": 1e3 * float(np.mean(launches["eager"])) if launches["eager"] else None,
               "eager_time_share": sum(steps["eager"]) / wall, "running_at_end": len(engine.running),
               "preemptions": engine.num_preemptions, "pool_slots": engine.pool.num_slots,
               "config": {k: v for k, v in extra.items() if v != getattr(EngineConfig, k)}}
