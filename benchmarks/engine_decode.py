@@ -60,7 +60,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", choices=["llama2-7b", "llama3-8b"], default="llama2-7b")
     p.add_argument("--batches", default="1,32,128,256")
-    p.add_argument("--adapters", type=int, default=100)
+    p.add_argument("--adapters", default="100",
+                   help="distinct adapters of the LoRA batches, comma-separated for several (e.g. 5,100: with 5 a step "
+                        "reads almost no adapter rows, so its cost over base is the LoRA path's fixed cost)")
     p.add_argument("--ranks", default="8,16,32,64")
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj",
                    help="adapted modules, comma-separated, or all (the seven linears, as in S-GQA)")
@@ -73,21 +75,22 @@ def main() -> int:
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
     batches = [int(b) for b in args.batches.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
+    counts = [int(a) for a in args.adapters.split(",")]
     targets = tuple(MODULES) if args.targets == "all" else tuple(args.targets.split(","))
     results = []
     for graphs in [m == "graphs" for m in args.modes.split(",")]:
         config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=args.slots, max_lora_rank=max(ranks),
-                              max_resident_adapters=args.adapters + 8, max_running_requests=max(batches),
+                              max_running_requests=max(batches),
                               max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(batches))
         engine = Engine.with_dummy_weights(cfg, config)
         names = []
-        for i in range(args.adapters):
+        for i in range(max(counts)):
             name = f"adapter-{i:03d}"
             engine._local_adapters[name] = synthetic_adapter(name, cfg, ranks[i % len(ranks)],
                                                              targets, engine.device)
             names.append(name)
         for batch in batches:
-            for label, used in (("base", []), ("lora", names)):
+            for label, used in (("base", []), *(("lora", names[:k]) for k in counts)):
                 r = measure(engine, batch, used, args.prompt_len, args.steps)
                 r.update(model=args.model, targets=list(targets), graphs=graphs, mode=label, adapters=min(len(used), batch))
                 results.append(r)
