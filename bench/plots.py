@@ -1,7 +1,8 @@
 """Figures from the result lines of docs/bench/*.jsonl (matplotlib, Agg, PNG).
 
 - throughput vs number of adapters: one figure per setting, a line per system (and rate, cv, policy where
-  the file holds several), log-scaled n; a system measured at one n only is a single point;
+  the file holds several), log-scaled n; a system measured at one n only is a single point; loraplex's and
+  base-only's rooflines (`roofline_rps`) dashed beside them, so a target's distance from the limit shows;
 - throughput and SLO attainment vs request rate: one figure per setting, a line per system and n;
 - SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy;
 - over all files: loraplex's throughput and roofline fraction vs n, a line per setting (`plot_settings`).
@@ -15,6 +16,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+ROOFLINE_SYSTEMS = ("loraplex", "base-only")  # the systems the targets compare; other baselines share the trace
+ROOFLINE = " roofline"  # label suffix of a roofline series, drawn dashed
 GROUP_KEYS = ("setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy")
 LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": "", "setting": ""}
 
@@ -75,8 +78,11 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
     drawn = {}
     for ax, (ylabel, key, series) in zip(axes[0], panels):
+        colors: dict[str, str] = {}  # a roofline takes the colour of the line it bounds
         for label, pts in series.items():
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            color = colors.setdefault(label.removesuffix(ROOFLINE), f"C{len(colors)}")
+            style = {"linestyle": "--", "marker": "x", "alpha": 0.7} if label.endswith(ROOFLINE) else {"marker": "o"}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, **style)
         if logx:
             ax.set_xscale("log")
         ax.set_ylim(bottom=0)  # ratios between lines read true only from a zero baseline
@@ -103,7 +109,10 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
     written: dict[str, dict] = {}
 
     # A system measured at one n only (base-only or PEFT beside a loraplex sweep, say) shows as a point.
+    limits = _series([x for x in lines if x["system"] in ROOFLINE_SYSTEMS], "n_adapters", "roofline_rps",
+                     ("setting",), min_points=1)
     for (setting,), series in _series(lines, "n_adapters", "throughput_rps", ("setting",), min_points=1).items():
+        series = {**series, **{label + ROOFLINE: pts for label, pts in limits.get((setting,), {}).items()}}
         png = out_dir / f"{stem}-throughput-vs-adapters-{setting}.png"
         written[str(png)] = _figure([("throughput (req/s)", "throughput_rps", series)],
                                     f"{setting}: throughput vs number of adapters", "adapters (n)", True, png)

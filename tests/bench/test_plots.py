@@ -91,3 +91,16 @@ def test_settings_side_by_side_over_several_files(tmp_path):
                                                "S2": [(5.0, 0.5), (2000.0, 0.5)]}
     # One setting alone: its own file's figure says it all.
     assert not any("settings-" in p for p in plot_all(files[:1], tmp_path / "one"))
+
+
+def test_throughput_vs_adapters_draws_the_rooflines_of_loraplex_and_base_only_dashed(tmp_path):
+    lines = [line("loraplex", n, throughput_rps=28.0 - n / 500, roofline_rps=46.0 - n / 300) for n in (5, 100, 2000)]
+    lines += [line("base-only", 100, throughput_rps=33.0, roofline_rps=46.6)]
+    lines += [line("peft", 100, throughput_rps=0.2, roofline_rps=43.9)]  # a baseline's roofline is loraplex's
+    drawn = plot_file(write(tmp_path / "sat.jsonl", lines), tmp_path)
+    series = drawn[str(tmp_path / "sat-throughput-vs-adapters-S2.png")]["throughput_rps"]
+    assert series["loraplex roofline"] == [(5.0, pytest.approx(46 - 5 / 300)), (100.0, pytest.approx(46 - 1 / 3)),
+                                           (2000.0, pytest.approx(46 - 2000 / 300))]
+    assert series["base-only roofline"] == [(100.0, 46.6)]
+    assert "peft roofline" not in series and series["peft"] == [(100.0, 0.2)]
+    assert series["loraplex"][0] == (5.0, 27.99)
