@@ -3,9 +3,11 @@ default, S-LoRA-like prompt lengths) timed and profiled base-only and with each 
 
 At S2 saturation these steps took 182 ms with 100 adapters against 98 ms base-only (docs/benchmarks.md,
 "Engine at saturation"), a quarter of the time; the torch profiler's kernel table says which kernels make
-the difference.
+the difference. Each mode also reports how long the host took to launch the step: a launch as long as the
+step means the GPU waited on the host issuing kernels.
 
     python benchmarks/profile_prefill.py --out prefill.txt            # Llama-2-7B shapes on a GPU
+    python benchmarks/profile_prefill.py --model llama3-8b            # S-GQA: Llama-3-8B, all seven linears
     python benchmarks/profile_prefill.py --model tiny --out p.txt      # the script itself, on a CPU
 """
 from __future__ import annotations
@@ -18,15 +20,16 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.engine_decode import LLAMA2_7B, synthetic_adapter
+from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, synthetic_adapter
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
 from shared.config import EngineConfig
-from shared.model_config import ModelConfig
+from shared.model_config import MODULES, ModelConfig
 
 RANKS = (64, 32, 16, 8)
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGETS = {"llama2-7b": ("q_proj", "k_proj", "v_proj", "o_proj"), "llama3-8b": MODULES,
+           "tiny": ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
 def model_config(name: str) -> ModelConfig:
@@ -34,7 +37,7 @@ def model_config(name: str) -> ModelConfig:
         from shared.tiny_model import VOCAB_SIZE, hf_config
 
         return ModelConfig.from_hf(hf_config("tiny", VOCAB_SIZE))
-    return ModelConfig.from_hf(LLAMA2_7B)
+    return ModelConfig.from_hf(LLAMA2_7B if name == "llama2-7b" else LLAMA3_8B)
 
 
 def prefill_round(engine: Engine, label: str, adapters: list[str], requests: int, lengths: list[int]) -> None:
@@ -58,7 +61,7 @@ def sync(engine: Engine) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", choices=("llama2-7b", "tiny"), default="llama2-7b")
+    p.add_argument("--model", choices=("llama2-7b", "llama3-8b", "tiny"), default="llama2-7b")
     p.add_argument("--requests", type=int, default=32, help="requests in the round (the admission round)")
     p.add_argument("--prompt-min", type=int, default=8)
     p.add_argument("--prompt-max", type=int, default=512, help="prompt lengths uniform in [min, max)")
@@ -74,14 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         max_batched_tokens=args.max_batched_tokens))
     names = [f"a{i}" for i in range(args.requests)]
     for i, name in enumerate(names):  # every request of the round on its own adapter, ranks mixed
-        engine._local_adapters[name] = synthetic_adapter(name, cfg, RANKS[i % len(RANKS)], TARGETS, engine.device)
+        engine._local_adapters[name] = synthetic_adapter(name, cfg, RANKS[i % len(RANKS)], TARGETS[args.model],
+                                                        engine.device)
     lengths = [random.Random(i).randrange(args.prompt_min, args.prompt_max) for i in range(args.requests)]
     report = [f"round of {args.requests} requests, {sum(lengths)} prompt tokens, max_batched_tokens "
               f"{args.max_batched_tokens}, {cfg.num_layers} layers"]
     for label, used in (("base", []), ("lora", names)):
         prefill_round(engine, f"{label}-warm", used, args.requests, lengths)  # kernels compiled, adapters in
         finish(engine)
-        times = []
+        times, launches = [], []
         for r in range(args.repeats):
             prefill_round(engine, f"{label}-{r}", used, args.requests, lengths)
             sync(engine)
@@ -91,14 +95,17 @@ def main(argv: list[str] | None = None) -> int:
                     engine.step()
                     sync(engine)
             else:
-                engine.step()
+                flight = engine.launch_step()
+                launches.append((time.perf_counter() - t0) * 1e3)
+                engine.finish_step(flight)
                 sync(engine)
             times.append((time.perf_counter() - t0) * 1e3)
             finish(engine)
         sort = "cuda_time_total" if cuda else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)
-        report.append(f"== {label}: prefill step {min(times):.1f} ms (best of {args.repeats}; last one profiled)\n"
-                      f"{table}")
+        launch = f", launched by the host in {min(launches):.1f} ms" if launches else ""
+        report.append(f"== {label}: prefill step {min(times):.1f} ms (best of {args.repeats}; last one profiled)"
+                      f"{launch}\n{table}")
     text = "\n".join(report)
     with open(args.out, "w") as f:
         f.write(text)

@@ -12,5 +12,7 @@ def test_prefill_profile_reports_both_modes(tmp_path):
     text = out.read_text()
     steps = dict(re.findall(r"== (base|lora): prefill step ([0-9.]+) ms", text))
     assert set(steps) == {"base", "lora"} and all(float(v) > 0 for v in steps.values())
+    launched = dict(re.findall(r"== (base|lora): prefill step [0-9.]+ ms .*launched by the host in ([0-9.]+) ms", text))
+    assert set(launched) == {"base", "lora"} and all(0 < float(launched[m]) <= float(steps[m]) + 1 for m in launched)
     assert text.count("Self CPU") >= 2  # a profiler table under each
     assert re.search(r"round of 4 requests, \d+ prompt tokens", text)

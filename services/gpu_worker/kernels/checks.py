@@ -14,6 +14,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def require(cond: bool, message: str) -> None:
+    """For checks off the per-launch path; a launcher's own checks test first and format a message only
+    when they fail (an f-string per check per launch costs more than the launch's other host work)."""
     if not cond:
         raise ValueError(message)
 
@@ -23,22 +25,28 @@ def check_tensor(name: str, t, *, ndim: int, dtypes: tuple[torch.dtype, ...], de
     """Type, rank, dtype, device and layout of one kernel argument."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    require(t.dim() == ndim, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    require(t.dtype in dtypes, f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if device is not None:
-        require(t.device == device, f"{name} is on {t.device} but the other inputs are on {device}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
     if contiguous:
-        require(t.is_contiguous(), f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
-    elif unit_last_stride and t.numel() > 0:
-        require(t.stride(-1) == 1, f"{name} must have unit stride in its last dimension (got strides {t.stride()})")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+    elif unit_last_stride and t.numel() > 0 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension (got strides {t.stride()})")
 
 
 def check_modules(modules) -> tuple[int, ...]:
     """A fused module group: 1 to 3 distinct module indices (q,k,v is the largest group)."""
     modules = tuple(int(m) for m in modules)
-    require(1 <= len(modules) <= 3, f"modules must name 1 to 3 modules of one fused group, got {modules}")
-    require(all(0 <= m < 7 for m in modules), f"module indices must be in 0..6 (MODULES order), got {modules}")
-    require(len(set(modules)) == len(modules), f"modules must be distinct, got {modules}")
+    if not 1 <= len(modules) <= 3:
+        raise ValueError(f"modules must name 1 to 3 modules of one fused group, got {modules}")
+    if not all(0 <= m < 7 for m in modules):
+        raise ValueError(f"module indices must be in 0..6 (MODULES order), got {modules}")
+    if len(set(modules)) != len(modules):
+        raise ValueError(f"modules must be distinct, got {modules}")
     return modules
 
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..ops.meta import LoraTables
-from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor, require
+from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
 from .lora_rows import check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot
 
 
@@ -178,13 +178,16 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     out_dims = tuple(int(d) for d in out_dims)
     num_groups = len(modules)
     num_tokens = out.shape[0]
-    require(len(out_dims) == num_groups, f"out_dims {out_dims} must give one width per module of {modules}")
-    require(all(d > 0 for d in out_dims), f"out_dims must be positive, got {out_dims}")
-    require(sum(out_dims) == out.shape[1], f"out has {out.shape[1]} columns but out_dims sum to {sum(out_dims)}")
-    require(y.shape[0] == num_groups and y.shape[1] == num_tokens,
-            f"y must be [{num_groups}, {num_tokens}, max_rank], got {tuple(y.shape)}")
-    require(token_adapter.shape[0] == num_tokens,
-            f"token_adapter has {token_adapter.shape[0]} entries but out has {num_tokens} rows")
+    if len(out_dims) != num_groups:
+        raise ValueError(f"out_dims {out_dims} must give one width per module of {modules}")
+    if not all(d > 0 for d in out_dims):
+        raise ValueError(f"out_dims must be positive, got {out_dims}")
+    if sum(out_dims) != out.shape[1]:
+        raise ValueError(f"out has {out.shape[1]} columns but out_dims sum to {sum(out_dims)}")
+    if y.shape[0] != num_groups or y.shape[1] != num_tokens:
+        raise ValueError(f"y must be [{num_groups}, {num_tokens}, max_rank], got {tuple(y.shape)}")
+    if token_adapter.shape[0] != num_tokens:
+        raise ValueError(f"token_adapter has {token_adapter.shape[0]} entries but out has {num_tokens} rows")
     segmented = seg_start is not None
     if segmented:
         check_segments(num_tokens, device, seg_start, seg_adapter, token_order)
@@ -214,7 +217,8 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     longest = max_seg_len if max_seg_len is not None else num_tokens
     chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
     n_seq_chunks = max(1, cdiv(longest, chunk))
-    require(n_seq_chunks <= 65535, f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
+    if n_seq_chunks > 65535:
+        raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
     _expand_segment_kernel[(num_segments, n_seq_chunks, num_groups * n_col_groups)](
         y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), seg_start, seg_adapter,
         token_order if token_order is not None else seg_start,

@@ -51,8 +51,8 @@ def check_tables(tables: LoraTables, device: torch.device) -> None:
     for name in ("ranks", "a_off", "b_off"):
         t = getattr(tables, name)
         check_tensor(f"tables.{name}", t, ndim=2, dtypes=(torch.int32,), device=device, contiguous=True)
-        require(t.shape == (tables.slots.shape[0], 7),
-                f"tables.{name} must be [max_resident={tables.slots.shape[0]}, 7], got {tuple(t.shape)}")
+        if t.shape != (tables.slots.shape[0], 7):
+            raise ValueError(f"tables.{name} must be [max_resident={tables.slots.shape[0]}, 7], got {tuple(t.shape)}")
 
 
 def check_pool_buffer(name: str, buf: torch.Tensor, device: torch.device) -> None:
@@ -65,9 +65,10 @@ def check_segments(num_tokens: int, device: torch.device, seg_start, seg_adapter
     require(seg_adapter is not None, "seg_start was given without seg_adapter")
     check_tensor("seg_start", seg_start, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
     check_tensor("seg_adapter", seg_adapter, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
-    require(seg_start.shape[0] == seg_adapter.shape[0] + 1,
-            f"seg_start must have one entry more than seg_adapter, got {seg_start.shape[0]} and {seg_adapter.shape[0]}")
+    if seg_start.shape[0] != seg_adapter.shape[0] + 1:
+        raise ValueError(f"seg_start must have one entry more than seg_adapter, got {seg_start.shape[0]} and "
+                         f"{seg_adapter.shape[0]}")
     if token_order is not None:
         check_tensor("token_order", token_order, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
-        require(token_order.shape[0] == num_tokens,
-                f"token_order must have one entry per token ({num_tokens}), got {token_order.shape[0]}")
+        if token_order.shape[0] != num_tokens:
+            raise ValueError(f"token_order must have one entry per token ({num_tokens}), got {token_order.shape[0]}")

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..ops.meta import LoraTables
-from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor, require
+from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
 from .lora_rows import check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot
 
 
@@ -263,16 +263,17 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     check_tables(tables, device)
     modules = check_modules(modules)
     num_tokens, fan_in = x.shape
-    require(token_adapter.shape[0] == num_tokens,
-            f"token_adapter has {token_adapter.shape[0]} entries but x has {num_tokens} tokens")
-    require(isinstance(max_rank, int) and max_rank >= 0, f"max_rank must be a non-negative int, got {max_rank!r}")
+    if token_adapter.shape[0] != num_tokens:
+        raise ValueError(f"token_adapter has {token_adapter.shape[0]} entries but x has {num_tokens} tokens")
+    if not (isinstance(max_rank, int) and max_rank >= 0):
+        raise ValueError(f"max_rank must be a non-negative int, got {max_rank!r}")
     num_groups = len(modules)
     if out is None:
         out = torch.empty(num_groups, num_tokens, max_rank, dtype=x.dtype, device=device)
     else:
         check_tensor("out", out, ndim=3, dtypes=(x.dtype,), device=device)
-        require(tuple(out.shape) == (num_groups, num_tokens, max_rank),
-                f"out must be [{num_groups}, {num_tokens}, {max_rank}], got {tuple(out.shape)}")
+        if tuple(out.shape) != (num_groups, num_tokens, max_rank):
+            raise ValueError(f"out must be [{num_groups}, {num_tokens}, {max_rank}], got {tuple(out.shape)}")
     segmented = seg_start is not None
     if segmented:
         check_segments(num_tokens, device, seg_start, seg_adapter, token_order)
@@ -306,7 +307,8 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
         longest = max_seg_len if max_seg_len is not None else num_tokens
         chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
         n_seq_chunks = max(1, cdiv(longest, chunk))
-        require(n_seq_chunks <= 65535, f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
+        if n_seq_chunks > 65535:
+            raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _shrink_segment_kernel[(num_segments, n_seq_chunks, num_groups * r_tiles * n_split)](
             x, x.stride(0), k_buf, k_buf.stride(0), seg_start, seg_adapter,
