@@ -209,6 +209,11 @@ def sweep_launch_shapes(model: str, group: str, num_tokens: int, n_adapters: int
                            "tiles 4": replace(e0, tiles_per_prog=4),
                            "block_r 16": replace(e0, block_r=16), "block_r 32": replace(e0, block_r=32),
                            "block_n 64": replace(e0, block_n=64), "block_n 256": replace(e0, block_n=256),
+                           # Wider tiles: each program streams longer runs of a Bᵀ row per slot (512 columns:
+                           # 1 KB) behind the same chain of dependent loads.
+                           "block_n 512": replace(e0, block_n=512),
+                           "block_n 256 warps 8": replace(e0, block_n=256, num_warps=8),
+                           "block_n 512 warps 8": replace(e0, block_n=512, num_warps=8),
                            "warps 2": replace(e0, num_warps=2), "stages 3": replace(e0, num_stages=3)}
         y = kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, max_rank, **kwargs)
         for name, c in shrink_variants.items():

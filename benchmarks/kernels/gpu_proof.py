@@ -77,8 +77,11 @@ def main() -> None:
         "lora": lambda: (bench_lora.bench_group(big, "qkv", batches, n_adapters, layers, dtype=dtype, device=device)
                          + bench_lora.bench_group(big, "gate_up", batches, n_adapters, layers, dtype=dtype,
                                                   device=device)),
-        "lora_sweep": lambda: [r for m, t in ([(big, 5)] if smoke else [(big, 64), (big, 256), (gqa, 64)])
-                               for r in bench_lora.sweep_launch_shapes(m, "qkv", t, n_adapters, layers,
+        # S-GQA's widest group too: its expand is most of a Llama-3-8B decode step's LoRA time.
+        "lora_sweep": lambda: [r for m, g, t in ([(big, "qkv", 5)] if smoke else
+                                                 [(big, "qkv", 64), (big, "qkv", 256), (gqa, "qkv", 64),
+                                                  (gqa, "gate_up", 256)])
+                               for r in bench_lora.sweep_launch_shapes(m, g, t, n_adapters, layers,
                                                                        dtype=dtype, device=device)],
         "attention": lambda: [r for m in (big, gqa)
                               for r in bench_attention.bench_decode(m, contexts, dtype, attention_variants,
