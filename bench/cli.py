@@ -1,4 +1,4 @@
-"""`loraplex bench run|sweep|plot|roofline|adapters`: the S-LoRA evaluation, from one point to a whole sweep."""
+"""`loraplex bench run|sweep|plot|targets|roofline|adapters`: the S-LoRA evaluation, from one point to a whole sweep."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +23,7 @@ COMMANDS_HELP = {
     "run": "measure one point: start a stack for the system (or use --url), send the trace, append its line",
     "sweep": "run a sweep spec (YAML) in pieces that end before --budget-s; run again to resume",
     "plot": "PNG figures from result files: throughput vs adapters, vs request rate, SLO attainment vs cv",
+    "targets": "the serving targets from result files: measured, what the rooflines allow, verdict (markdown)",
     "roofline": "measure the ceilings here and print a setting's roofline throughput for a trace",
     "adapters": "write a setting's adapter population (and register it with a running server)",
 }
@@ -84,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help=COMMANDS_HELP["plot"], description=COMMANDS_HELP["plot"] + ".")
     plot.add_argument("files", nargs="*", help="result files (default docs/bench/*.jsonl)")
     plot.add_argument("--out-dir", help="where PNGs go (default: next to each file)")
+
+    targets = sub.add_parser("targets", help=COMMANDS_HELP["targets"], description=COMMANDS_HELP["targets"] + (
+        ". Each point is its latest saturation line (cv 1, alpha 1, early abort, highest rate); a ratio target "
+        "beside the ratio of its points' rooflines, which no faster server can pass (bench/targets.py)."))
+    targets.add_argument("files", nargs="*", help="result files (default docs/bench/*.jsonl)")
 
     roof = sub.add_parser("roofline", help=COMMANDS_HELP["roofline"], description=(
         "Measure device-to-device copy, bf16 matmul and pinned host-to-device ceilings, then print the roofline "
@@ -240,6 +246,17 @@ def cmd_plot(args, argv) -> int:
     return 0
 
 
+def cmd_targets(args, argv) -> int:
+    from bench.targets import table
+
+    files = args.files or sorted(str(p) for p in Path("docs/bench").glob("*.jsonl"))
+    if not files:
+        sys.stderr.write("no result files given and none in docs/bench/\n")
+        return 1
+    sys.stdout.write(table(files))
+    return 0
+
+
 def cmd_roofline(args, argv) -> int:
     from bench.roofline import Ceilings, roofline_rps
     from bench.driver import measure_ceilings_apart
@@ -283,7 +300,7 @@ def cmd_adapters(args, argv) -> int:
     return 0
 
 
-ACTIONS = {"run": cmd_run, "sweep": cmd_sweep, "plot": cmd_plot, "roofline": cmd_roofline, "adapters": cmd_adapters}
+ACTIONS = {"run": cmd_run, "sweep": cmd_sweep, "plot": cmd_plot, "targets": cmd_targets, "roofline": cmd_roofline, "adapters": cmd_adapters}
 
 
 def _exit_on_sigterm(signum, _frame):

@@ -1,0 +1,108 @@
+"""The serving targets, read off the result lines: each target's measured value, the bound its points'
+rooflines put on it, and a verdict, as a markdown table (`loraplex bench targets`).
+
+A ratio target (n = 2000 against n = 5, loraplex against base-only) compares two points of one trace whose
+rooflines differ (a step at n = 2000 reads ~240 adapters' rows that n = 5 never reads): the rooflines' own
+ratio is what two servers at 100% of their rooflines would give, so a target above it cannot be met by
+a faster server, only by less work. Points are the saturation points (cv = 1, alpha = 1, early abort) at the
+highest rate measured, each its latest line (`plots.read_lines`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.plots import read_lines
+
+ROOFLINE_TARGET = 0.6
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: str
+    measured: str
+    bound: str  # what the rooflines allow ("" when the target is not a ratio)
+    status: str  # met, missed, beyond the roofline, not measured
+
+    def row(self) -> str:
+        return f"| {self.target} | {self.measured} | {self.bound or '—'} | {self.status} |"
+
+
+def saturation_points(paths: list[str | Path]) -> dict[tuple[str, str, int], dict]:
+    """(setting, system, n) -> the line at the highest rate of the plain saturation points."""
+    best: dict[tuple[str, str, int], dict] = {}
+    for path in paths:
+        for line in read_lines(path):
+            if line["cv"] != 1 or line["alpha"] != 1 or line["policy"] != "early-abort":
+                continue
+            if line.get("throughput_rps") is None:
+                continue
+            key = (line["setting"], line["system"], int(line["n_adapters"]))
+            old = best.get(key)
+            if old is None or (line["req_rate"], line.get("started_at", "")) > (old["req_rate"], old.get("started_at", "")):
+                best[key] = line
+    return best
+
+
+def _day(line: dict) -> str:
+    return str(line.get("started_at", line.get("date", "")))[:10]
+
+
+def absolute(points: dict, setting: str, n: int, floor_rps: float) -> Verdict:
+    target = f"{setting} n = {n} ≥ {floor_rps:g} req/s"
+    p = points.get((setting, "loraplex", n))
+    if p is None:
+        return Verdict(target, "", "", "not measured")
+    rps, roof = p["throughput_rps"], p.get("roofline_rps")
+    bound = f"needs {floor_rps / roof:.2f} of its roofline ({roof:.1f} req/s)" if roof else ""
+    status = "met" if rps >= floor_rps else f"missed: {rps / floor_rps:.2f} of it"
+    if roof and floor_rps > roof:
+        status += ", beyond the roofline"
+    return Verdict(target, f"{rps:.1f} req/s ({_day(p)})", bound, status)
+
+
+def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int], factor: float) -> Verdict:
+    """num's throughput ≥ factor × den's; both (system, n) of one setting."""
+    name = lambda s, n: f"n = {n}" if s == "loraplex" else f"{s} n = {n}"  # noqa: E731
+    target = f"{setting} {name(*num)} ≥ {factor:g} × {name(*den)}"
+    a, b = points.get((setting, *num)), points.get((setting, *den))
+    if a is None or b is None:
+        return Verdict(target, "", "", "not measured")
+    measured = a["throughput_rps"] / b["throughput_rps"]
+    text = f"{a['throughput_rps']:.1f} / {b['throughput_rps']:.2f} = {measured:.2f}× ({_day(a)}, {_day(b)})"
+    bound, status = "", "met" if measured >= factor else "missed"
+    ra, rb = a.get("roofline_rps"), b.get("roofline_rps")
+    if ra and rb and b["system"] not in ("peft", "merge"):  # a baseline's roofline is loraplex's own trace
+        limit = ra / rb
+        bound = f"rooflines' ratio {limit:.3f}"
+        if measured < factor and limit < factor:
+            status = "missed, beyond the roofline"
+    return Verdict(target, text, bound, status)
+
+
+def roofline_fractions(points: dict) -> Verdict:
+    lines = sorted((k, p) for k, p in points.items() if k[1] == "loraplex" and p.get("roofline_fraction") is not None)
+    if not lines:
+        return Verdict(f"≥ {ROOFLINE_TARGET:.0%} of the roofline", "", "", "not measured")
+    parts = [f"{s} n = {n} {p['roofline_fraction']:.2f}" for (s, _, n), p in lines]
+    met = [f"{s} n = {n}" for (s, _, n), p in lines if p["roofline_fraction"] >= ROOFLINE_TARGET]
+    status = "met at every point" if len(met) == len(lines) else (
+        f"met at {', '.join(met)}" if met else "missed at every point")
+    return Verdict(f"≥ {ROOFLINE_TARGET:.0%} of the roofline", "; ".join(parts), "", status)
+
+
+def verdicts(paths: list[str | Path]) -> list[Verdict]:
+    """The issue's serving targets (docs/benchmarks.md), in its order."""
+    points = saturation_points(paths)
+    return [
+        absolute(points, "S2", 2000, 30.0),
+        ratio(points, "S2", ("loraplex", 2000), ("loraplex", 5), 0.9),
+        ratio(points, "S2", ("loraplex", 100), ("base-only", 100), 0.9),
+        ratio(points, "S2", ("loraplex", 100), ("peft", 100), 30.0),
+        roofline_fractions(points),
+    ]
+
+
+def table(paths: list[str | Path]) -> str:
+    rows = ["| target | measured | what the rooflines allow | status |", "|---|---|---|---|"]
+    return "\n".join(rows + [v.row() for v in verdicts(paths)]) + "\n"

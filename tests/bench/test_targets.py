@@ -1,0 +1,65 @@
+"""The serving targets read off result lines: measured values, the rooflines' bound, verdicts."""
+import json
+import subprocess
+import sys
+
+from bench import REPO, child_env
+from bench.targets import saturation_points, table, verdicts
+
+
+def line(system, n, rps, roof, setting="S2", rate=40.0, cv=1.0, started="2026-12-01T19:00:00+00:00", **more):
+    return {"setting": setting, "system": system, "n_adapters": n, "alpha": 1.0, "req_rate": rate, "cv": cv,
+            "policy": "early-abort", "duration_s": 140.0, "throughput_rps": rps, "roofline_rps": roof,
+            "roofline_fraction": rps / roof, "started_at": started, **more}
+
+
+def write(path, lines):
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def test_each_target_gets_its_measurement_bound_and_verdict(tmp_path):
+    sat = write(tmp_path / "s2-saturation.jsonl", [
+        line("loraplex", 2000, 24.6, 39.8), line("loraplex", 5, 28.3, 46.5), line("loraplex", 100, 27.9, 43.9),
+        line("base-only", 100, 33.3, 46.6),
+        line("loraplex", 100, 20.0, 43.9, cv=4.0),  # a burstiness point is not a saturation point
+        line("loraplex", 100, 12.0, 43.9, rate=12.0),  # nor one below the highest rate
+    ])
+    base = write(tmp_path / "s2-baselines.jsonl", [line("peft", 100, 0.17, 43.9, started="2026-11-29T22:40:00+00:00")])
+    v = {x.target: x for x in verdicts([sat, base])}
+    assert v["S2 n = 2000 ≥ 30 req/s"].status == "missed: 0.82 of it"
+    assert "needs 0.75 of its roofline" in v["S2 n = 2000 ≥ 30 req/s"].bound
+    # 24.6 / 28.3 = 0.87 < 0.9 and the rooflines allow only 39.8 / 46.5 = 0.856: no faster server meets it.
+    far = v["S2 n = 2000 ≥ 0.9 × n = 5"]
+    assert far.status == "missed, beyond the roofline" and "0.856" in far.bound and "0.87×" in far.measured
+    near = v["S2 n = 100 ≥ 0.9 × base-only n = 100"]
+    assert near.status == "missed" and "0.942" in near.bound and "0.84×" in near.measured
+    peft = v["S2 n = 100 ≥ 30 × peft n = 100"]
+    assert peft.status == "met" and peft.bound == "" and "2026-11-29" in peft.measured
+    fractions = v["≥ 60% of the roofline"]
+    assert fractions.status == "met at every point"  # loraplex's three points, 0.61-0.64
+    assert fractions.measured == "S2 n = 5 0.61; S2 n = 100 0.64; S2 n = 2000 0.62"
+
+
+def test_the_latest_line_of_a_point_wins_and_missing_points_say_so(tmp_path):
+    old = line("loraplex", 2000, 17.9, 39.8, started="2026-11-29T22:30:00+00:00")
+    new = line("loraplex", 2000, 31.0, 39.8, started="2026-12-01T19:50:00+00:00")
+    a = write(tmp_path / "a.jsonl", [new])
+    b = write(tmp_path / "b.jsonl", [old])
+    assert saturation_points([a, b])[("S2", "loraplex", 2000)]["throughput_rps"] == 31.0
+    v = {x.target: x for x in verdicts([a, b])}
+    assert v["S2 n = 2000 ≥ 30 req/s"].status == "met"
+    assert v["≥ 60% of the roofline"].status == "met at every point"
+    low = write(tmp_path / "c.jsonl", [line("loraplex", 5, 20.0, 46.5, setting="S-GQA")])
+    assert {x.target: x for x in verdicts([a, low])}["≥ 60% of the roofline"].status == "met at S2 n = 2000"
+    assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "not measured"
+
+
+def test_targets_command_prints_the_table(tmp_path):
+    path = write(tmp_path / "s2.jsonl", [line("loraplex", 2000, 24.6, 39.8), line("loraplex", 5, 28.3, 46.5)])
+    out = subprocess.run([sys.executable, "-m", "shared.cli", "bench", "targets", path], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == table([path])
+    assert out.stdout.splitlines()[0] == "| target | measured | what the rooflines allow | status |"
+    assert "| S2 n = 2000 ≥ 0.9 × n = 5 | 24.6 / 28.30 = 0.87×" in out.stdout
