@@ -159,28 +159,33 @@ def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: A
     check_tensor("v_buf", v_buf, ndim=2, dtypes=FLOAT_DTYPES, device=device)
     num_tokens, num_heads, head_dim = q.shape
     width = k_buf.shape[1]
-    require(v_buf.shape == k_buf.shape, f"k_buf {tuple(k_buf.shape)} and v_buf {tuple(v_buf.shape)} differ")
-    require(head_dim > 0 and width % head_dim == 0, f"pool width {width} is not a multiple of head_dim {head_dim}")
+    if v_buf.shape != k_buf.shape:
+        raise ValueError(f"k_buf {tuple(k_buf.shape)} and v_buf {tuple(v_buf.shape)} differ")
+    if not (head_dim > 0 and width % head_dim == 0):
+        raise ValueError(f"pool width {width} is not a multiple of head_dim {head_dim}")
     num_kv_heads = width // head_dim
-    require(num_heads % num_kv_heads == 0,
-            f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
     check_tensor("meta.q_start", meta.q_start, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
     check_tensor("meta.ctx_lens", meta.ctx_lens, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
     check_tensor("meta.slot_table", meta.slot_table, ndim=2, dtypes=(torch.int32,), device=device)
     num_seqs = meta.num_seqs
-    require(meta.q_start.shape[0] == num_seqs + 1,
-            f"meta.q_start must have {num_seqs + 1} entries (B + 1), got {meta.q_start.shape[0]}")
-    require(meta.slot_table.shape[0] == num_seqs and meta.slot_table.shape[1] >= meta.max_ctx_len,
-            f"meta.slot_table must be [{num_seqs}, >= max_ctx_len={meta.max_ctx_len}], got {tuple(meta.slot_table.shape)}")
+    if meta.q_start.shape[0] != num_seqs + 1:
+        raise ValueError(f"meta.q_start must have {num_seqs + 1} entries (B + 1), got {meta.q_start.shape[0]}")
+    if not (meta.slot_table.shape[0] == num_seqs and meta.slot_table.shape[1] >= meta.max_ctx_len):
+        raise ValueError(f"meta.slot_table must be [{num_seqs}, >= max_ctx_len={meta.max_ctx_len}], got "
+                         f"{tuple(meta.slot_table.shape)}")
     if meta.decode_only:
-        require(num_tokens == num_seqs, f"decode_only batch must have one token per sequence: {num_tokens} tokens, "
-                                        f"{num_seqs} sequences")
+        if num_tokens != num_seqs:
+            raise ValueError(f"decode_only batch must have one token per sequence: {num_tokens} tokens, "
+                             f"{num_seqs} sequences")
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=device)
     else:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=device)
-        require(out.shape == q.shape, f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+        if out.shape != q.shape:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
     if num_tokens == 0 or num_seqs == 0:
         return out
     cfg = config or choose_attention_config(meta, num_kv_heads, group, head_dim, device)
@@ -190,7 +195,8 @@ def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: A
     n_q_blocks = cdiv(max(meta.max_q_len, 1), cfg.block_q)
     split_len = cdiv(cdiv(max(meta.max_ctx_len, 1), cfg.n_split), cfg.block_n) * cfg.block_n
     n_split = cdiv(max(meta.max_ctx_len, 1), split_len)
-    require(n_q_blocks * n_split <= 65535, f"{n_q_blocks} query blocks x {n_split} splits exceed the grid limit")
+    if n_q_blocks * n_split > 65535:
+        raise ValueError(f"{n_q_blocks} query blocks x {n_split} splits exceed the grid limit")
     split = n_split > 1
     if split:
         part = torch.empty(num_tokens, num_heads, n_split, head_dim, dtype=torch.float32, device=device)

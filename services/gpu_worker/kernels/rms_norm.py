@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES, check_tensor, next_pow2, require
+from .checks import FLOAT_DTYPES, check_tensor, next_pow2
 
 
 @triton.jit
@@ -35,12 +35,14 @@ def _launch(x, weight, eps, residual):
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=x.device, contiguous=True)
     tokens, hidden = x.shape
-    require(weight.shape[0] == hidden, f"weight has {weight.shape[0]} entries, x has {hidden} columns")
+    if weight.shape[0] != hidden:
+        raise ValueError(f"weight has {weight.shape[0]} entries, x has {hidden} columns")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     res_out = out
     if residual is not None:
         check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device)
-        require(residual.shape == x.shape, f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
         res_out = torch.empty_like(out)
     if tokens:
         block = next_pow2(hidden)

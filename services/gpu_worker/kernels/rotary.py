@@ -43,9 +43,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
     check_tensor("cos", cos, ndim=2, dtypes=FLOAT_DTYPES, device=q.device, contiguous=True)
     check_tensor("sin", sin, ndim=2, dtypes=(cos.dtype,), device=q.device, contiguous=True)
     tokens, num_q_heads, head_dim = q.shape
-    require(k.shape[0] == tokens and k.shape[2] == head_dim, f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
-    require(head_dim % 2 == 0 and next_pow2(head_dim // 2) == head_dim // 2,
-            f"head_dim must be twice a power of two, got {head_dim}")
+    if not (k.shape[0] == tokens and k.shape[2] == head_dim):
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    if not (head_dim % 2 == 0 and next_pow2(head_dim // 2) == head_dim // 2):
+        raise ValueError(f"head_dim must be twice a power of two, got {head_dim}")
     require(cos.shape[1] == head_dim and sin.shape == cos.shape, "cos/sin must be [max_positions, head_dim]")
     if tokens:
         _rotary_kernel[(tokens,)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, cos, sin,

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES, check_tensor, require
+from .checks import FLOAT_DTYPES, check_tensor
 
 
 @triton.jit
@@ -24,7 +24,8 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     """`[T, 2I]` (gate columns then up columns) -> `[T, I]`."""
     check_tensor("gate_up", gate_up, ndim=2, dtypes=FLOAT_DTYPES)
     tokens = gate_up.shape[0]
-    require(gate_up.shape[1] == 2 * intermediate, f"gate_up has {gate_up.shape[1]} columns, expected 2 x {intermediate}")
+    if gate_up.shape[1] != 2 * intermediate:
+        raise ValueError(f"gate_up has {gate_up.shape[1]} columns, expected 2 x {intermediate}")
     out = torch.empty(tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
         block = 1024

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import FLOAT_DTYPES, check_tensor, pow2_divisor, require
+from .checks import FLOAT_DTYPES, check_tensor, pow2_divisor
 
 
 @triton.jit
@@ -42,9 +42,11 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: t
     check_tensor("k", k, ndim=2, dtypes=FLOAT_DTYPES, device=device)
     check_tensor("v", v, ndim=2, dtypes=FLOAT_DTYPES, device=device)
     width = k_buf.shape[1]
-    require(v_buf.shape == k_buf.shape, f"k_buf {tuple(k_buf.shape)} and v_buf {tuple(v_buf.shape)} differ")
-    require(k.shape == v.shape == (slots.shape[0], width),
-            f"k and v must be [{slots.shape[0]}, {width}] (one row per slot), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if v_buf.shape != k_buf.shape:
+        raise ValueError(f"k_buf {tuple(k_buf.shape)} and v_buf {tuple(v_buf.shape)} differ")
+    if not (k.shape == v.shape == (slots.shape[0], width)):
+        raise ValueError(f"k and v must be [{slots.shape[0]}, {width}] (one row per slot), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     num_tokens = slots.shape[0]
     if num_tokens == 0:
         return
