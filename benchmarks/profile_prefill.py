@@ -4,10 +4,14 @@ default, S-LoRA-like prompt lengths) timed and profiled base-only and with each 
 At S2 saturation these steps took 182 ms with 100 adapters against 98 ms base-only (docs/benchmarks.md,
 "Engine at saturation"), a quarter of the time; the torch profiler's kernel table says which kernels make
 the difference. Each mode also reports how long the host took to launch the step: a launch as long as the
-step means the GPU waited on the host issuing kernels.
+step means the GPU waited on the host issuing kernels. With `--running N` the round is admitted beside N
+requests already decoding (each on an adapter of its own, cycling over --adapters), as a serving worker's
+admission step is at saturation (224 running beside a round of 32): that step also runs the running batch's
+decode tokens, and their LoRA segments, eagerly.
 
     python benchmarks/profile_prefill.py --out prefill.txt            # Llama-2-7B shapes on a GPU
     python benchmarks/profile_prefill.py --model llama3-8b            # S-GQA: Llama-3-8B, all seven linears
+    python benchmarks/profile_prefill.py --running 224 --adapters 100  # the admission step at saturation
     python benchmarks/profile_prefill.py --model tiny --out p.txt      # the script itself, on a CPU
 """
 from __future__ import annotations
@@ -49,9 +53,32 @@ def prefill_round(engine: Engine, label: str, adapters: list[str], requests: int
                                          adapters[i % len(adapters)] if adapters else None))
 
 
-def finish(engine: Engine) -> None:
-    while engine.running or engine.waiting:
+def start_running(engine: Engine, label: str, adapters: list[str], count: int) -> list[str]:
+    """`count` requests prefilled and decoding, each allowed up to the context length (aborted after)."""
+    rng = random.Random(count)
+    ids = [f"{label}-running-{i}" for i in range(count)]
+    for i, rid in enumerate(ids):
+        prompt = [rng.randrange(3, engine.cfg.vocab_size) for _ in range(rng.randrange(8, 512))]
+        limit = engine.max_model_len - len(prompt)
+        engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=limit, ignore_eos=True),
+                                         adapters[i % len(adapters)] if adapters else None))
+    while engine.waiting or any(s.num_computed < len(s.tokens) - 1 for s in engine.running):
         engine.step()
+    return ids
+
+
+def stop_running(engine: Engine, ids: list[str]) -> None:
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()
+
+
+def finish(engine: Engine, running: int = 0) -> None:
+    """Step until only the `running` long requests are left."""
+    while len(engine.running) > running or engine.waiting:
+        engine.step()
+
+
 
 
 def sync(engine: Engine) -> None:
@@ -67,24 +94,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-max", type=int, default=512, help="prompt lengths uniform in [min, max)")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per mode (after one untimed)")
+    p.add_argument("--running", type=int, default=0, help="requests decoding beside the round (0: the round alone)")
+    p.add_argument("--adapters", type=int, default=0,
+                   help="distinct adapters (0: one per request of the round); the running requests cycle over them")
     p.add_argument("--out", default="prefill.txt")
     args = p.parse_args(argv)
     cfg = model_config(args.model)
     cuda = torch.cuda.is_available()
     engine = Engine.with_dummy_weights(cfg, EngineConfig(
-        device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", num_slots=80_000 if cuda else 4096,
-        max_lora_rank=max(RANKS), max_resident_adapters=args.requests + 4, max_running_requests=args.requests,
+        device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", num_slots=0 if cuda else 8192,
+        max_lora_rank=max(RANKS), max_running_requests=args.requests + args.running,
         max_batched_tokens=args.max_batched_tokens))
-    names = [f"a{i}" for i in range(args.requests)]
+    names = [f"a{i}" for i in range(args.adapters or args.requests)]
     for i, name in enumerate(names):  # every request of the round on its own adapter, ranks mixed
         engine._local_adapters[name] = synthetic_adapter(name, cfg, RANKS[i % len(RANKS)], TARGETS[args.model],
                                                         engine.device)
     lengths = [random.Random(i).randrange(args.prompt_min, args.prompt_max) for i in range(args.requests)]
-    report = [f"round of {args.requests} requests, {sum(lengths)} prompt tokens, max_batched_tokens "
-              f"{args.max_batched_tokens}, {cfg.num_layers} layers"]
+    report = [f"round of {args.requests} requests, {sum(lengths)} prompt tokens, beside {args.running} running, "
+              f"max_batched_tokens {args.max_batched_tokens}, {cfg.num_layers} layers"]
     for label, used in (("base", []), ("lora", names)):
+        running = start_running(engine, label, used, args.running)
         prefill_round(engine, f"{label}-warm", used, args.requests, lengths)  # kernels compiled, adapters in
-        finish(engine)
+        finish(engine, args.running)
         times, launches = [], []
         for r in range(args.repeats):
             prefill_round(engine, f"{label}-{r}", used, args.requests, lengths)
@@ -100,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                 engine.finish_step(flight)
                 sync(engine)
             times.append((time.perf_counter() - t0) * 1e3)
-            finish(engine)
+            finish(engine, args.running)
+        stop_running(engine, running)
         sort = "cuda_time_total" if cuda else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)
         launch = f", launched by the host in {min(launches):.1f} ms" if launches else ""

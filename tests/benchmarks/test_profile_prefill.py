@@ -16,3 +16,12 @@ def test_prefill_profile_reports_both_modes(tmp_path):
     assert set(launched) == {"base", "lora"} and all(0 < float(launched[m]) <= float(steps[m]) + 1 for m in launched)
     assert text.count("Self CPU") >= 2  # a profiler table under each
     assert re.search(r"round of 4 requests, \d+ prompt tokens", text)
+
+
+def test_the_round_can_be_admitted_beside_a_running_batch(tmp_path):
+    out = tmp_path / "prefill.txt"
+    assert main(["--model", "tiny", "--requests", "4", "--prompt-max", "40", "--repeats", "2", "--running", "6",
+                 "--adapters", "3", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert re.search(r"round of 4 requests, \d+ prompt tokens, beside 6 running", text)
+    assert set(re.findall(r"== (base|lora): prefill step [0-9.]+ ms", text)) == {"base", "lora"}
