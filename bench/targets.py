@@ -3,8 +3,8 @@ rooflines put on it, and a verdict, as a markdown table (`loraplex bench targets
 
 A ratio target (n = 2000 against n = 5, loraplex against base-only) compares two points of one trace whose
 rooflines differ (a step at n = 2000 reads ~240 adapters' rows that n = 5 never reads): the rooflines' own
-ratio is what two servers at 100% of their rooflines would give, so a target above it cannot be met by
-a faster server, only by less work. Points are the saturation points (cv = 1, alpha = 1, early abort) at the
+ratio is what two servers at 100% of their rooflines would give at the running batch the rooflines assume
+(the server's, 256), so a target above it cannot be met by a faster server at that batch. Points are the saturation points (cv = 1, alpha = 1, early abort) at the
 highest rate measured, each its latest line (`plots.read_lines`).
 """
 from __future__ import annotations
