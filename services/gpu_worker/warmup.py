@@ -1,11 +1,14 @@
 """Throwaway requests run before a worker reports ready, so the first real ones do not pay for compiling.
 
 On CUDA the first steps JIT-compile Triton kernels (a variant per specialization: a count of 1, a multiple of
-16, anything else; prefill and decode; with and without LoRA) and capture decode graphs: seconds per step, in
-which the worker cannot send a heartbeat and the scheduler would take it for dead. Warm-up runs those shapes
-once: single and batched requests, base-only and with a small adapter, prompts short and past the attention
-split length, until all of them finish. The adapter is made here and evicted afterwards; nothing is left
-in the pool.
+16, anything else; prefill and decode; with and without LoRA; LoRA tiles for ranks up to 16 and above) and
+capture decode graphs: seconds per step, in which the worker cannot send a heartbeat and the scheduler would
+take it for dead, and which a running batch would wait through. Warm-up runs those shapes once: single and
+batched requests, base-only and with a small (rank 8) and a wide (rank 64, or the largest allowed) adapter,
+each alone and mixed, prompts short and past the attention split length, and one admission round as large
+as a step takes, until all of them finish. (A rank-64 adapter's first small batch took 1.5 s mid-traffic on
+an H200 when warm-up knew only rank 8.) The adapters are made here and evicted afterwards; nothing is left in
+the pool.
 """
 from __future__ import annotations
 
@@ -26,35 +29,53 @@ log = get_logger(__name__)
 
 WARMUP_ADAPTER = "__warmup__"
 WARMUP_RANK = 8
+WIDE_ADAPTER = "__warmup_wide__"
+WIDE_RANK = 64  # the LoRA kernels tile ranks above 16 otherwise than ranks up to 16
 
 
-def warmup_adapter(cfg: ModelConfig, dtype: torch.dtype) -> PackedAdapter:
-    """A rank-8 adapter on every module, in the single-device row format the arena holds."""
-    g = torch.Generator().manual_seed(0)
+def warmup_ranks(max_lora_rank: int) -> dict[str, int]:
+    """The warm-up adapters by name: rank 8, and a wide one when the server accepts ranks above 16."""
+    ranks = {WARMUP_ADAPTER: min(WARMUP_RANK, max_lora_rank)}
+    if max_lora_rank > 16:
+        ranks[WIDE_ADAPTER] = min(WIDE_RANK, max_lora_rank)
+    return ranks
+
+
+def warmup_adapter(cfg: ModelConfig, dtype: torch.dtype, rank: int = WARMUP_RANK,
+                   name: str = WARMUP_ADAPTER) -> PackedAdapter:
+    """An adapter of `rank` on every module, in the single-device row format the arena holds."""
+    g = torch.Generator().manual_seed(rank)
     modules = {}
     for m in MODULES:
         fan_in, fan_out = cfg.module_dims(m)
-        modules[m] = [LoraModuleWeights(torch.randn(WARMUP_RANK, fan_in, generator=g) * 0.01,
-                                        torch.randn(fan_out, WARMUP_RANK, generator=g) * 0.01, 1.0)
+        modules[m] = [LoraModuleWeights(torch.randn(rank, fan_in, generator=g) * 0.01,
+                                        torch.randn(fan_out, rank, generator=g) * 0.01, 1.0)
                       for _ in range(cfg.num_layers)]
-    return pack_adapter(LoraWeights(WARMUP_ADAPTER, cfg.num_layers, modules), cfg, cfg.kv_dim, dtype)
+    return pack_adapter(LoraWeights(name, cfg.num_layers, modules), cfg, cfg.kv_dim, dtype)
+
+
+def warmup_adapters(cfg: ModelConfig, dtype: torch.dtype, max_lora_rank: int) -> dict[str, PackedAdapter]:
+    return {name: warmup_adapter(cfg, dtype, rank, name) for name, rank in warmup_ranks(max_lora_rank).items()}
 
 
 class WithWarmupAdapter:
-    """The worker's adapter loader, answering for the warm-up adapter itself."""
+    """The worker's adapter loader, answering for the warm-up adapters itself."""
 
-    def __init__(self, loader, packed: PackedAdapter):
+    def __init__(self, loader, packed: dict[str, PackedAdapter]):
         self.loader = loader
         self.packed = packed
 
     def __call__(self, name: str) -> PackedAdapter:
-        return self.packed if name == WARMUP_ADAPTER else self.loader(name)
+        return self.packed[name] if name in self.packed else self.loader(name)
 
     def ready(self, name: str) -> bool:
-        return name == WARMUP_ADAPTER or adapter_ready(self.loader, name)
+        return name in self.packed or adapter_ready(self.loader, name)
 
 
-def warmup_requests(cfg: ModelConfig, max_model_len: int, num_slots: int, max_running: int) -> list[EngineRequest]:
+def warmup_requests(cfg: ModelConfig, max_model_len: int, num_slots: int, max_running: int,
+                    adapters: list[str] | None = None) -> list[EngineRequest]:
+    """Every other request on an adapter, the adapters taking turns."""
+    adapters = adapters or [WARMUP_ADAPTER]
     vocab = cfg.vocab_size
     long_prompt = min(600, max_model_len - 8, num_slots // 4)
     lengths = [1, 5, 17, 32] + list(range(2, 16)) + ([long_prompt] if long_prompt > 32 else [])
@@ -62,15 +83,42 @@ def warmup_requests(cfg: ModelConfig, max_model_len: int, num_slots: int, max_ru
     for i, n in enumerate(lengths[:max(1, max_running)]):
         prompt = [(7 * i + 13 * j) % vocab for j in range(n)]
         sampling = SamplingParams(max_tokens=2 + i % 4, ignore_eos=True)
-        out.append(EngineRequest(f"warmup-{i}", prompt, sampling, adapter=WARMUP_ADAPTER if i % 2 else None))
+        adapter = adapters[(i // 2) % len(adapters)] if i % 2 else None
+        out.append(EngineRequest(f"warmup-{i}", prompt, sampling, adapter=adapter))
     return out
 
 
-def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0) -> float:
-    """Run the warm-up requests to completion (first one alone, then the rest together); returns seconds."""
+def admission_round(cfg: ModelConfig, max_model_len: int, num_slots: int, requests: int, tokens: int,
+                    adapters: list[str]) -> list[EngineRequest]:
+    """One round of `requests` prompts filling a step's `tokens` (within a quarter of the pool), a third
+    base-only and the rest over the adapters: the shape of an admission step under load."""
+    requests = max(1, requests)
+    length = max(1, min(min(tokens, num_slots // 4) // requests, max_model_len - 8))
+    out = []
+    for i in range(requests):
+        prompt = [(11 * i + 5 * j) % cfg.vocab_size for j in range(length)]
+        adapter = None if i % 3 == 0 else adapters[i % len(adapters)]
+        out.append(EngineRequest(f"warmup-round-{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), adapter))
+    return out
+
+
+def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0, adapters: list[str] | None = None) -> float:
+    """Run the warm-up requests to completion (one alone, one on each adapter alone, the rest together, then
+    an admission round); returns seconds."""
     started = time.monotonic()
-    requests = warmup_requests(cfg, engine.max_model_len, engine.pool.num_slots, engine.config.max_running_requests)
-    for batch in (requests[:1], requests[1:2], requests[2:]):
+    adapters = adapters or [WARMUP_ADAPTER]
+    config = engine.config
+    requests = warmup_requests(cfg, engine.max_model_len, engine.pool.num_slots, config.max_running_requests,
+                               adapters)
+    # The first request on each adapter runs alone, then all mix: a step's LoRA tiles follow its widest
+    # adapter, so each alone and the mix are different kernels.
+    alone = [next(r for r in requests if r.adapter == name) for name in adapters
+             if any(r.adapter == name for r in requests)]
+    rest = [r for r in requests[1:] if all(r is not a for a in alone)]
+    batches = [requests[:1], *([r] for r in alone), rest,
+               admission_round(cfg, engine.max_model_len, engine.pool.num_slots, engine.admission_round,
+                               config.max_batched_tokens, adapters)]
+    for batch in batches:
         for req in batch:
             engine.add_request(req)
         while engine.has_unfinished():
@@ -79,10 +127,12 @@ def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0) -> float:
                     log.warning("worker.warmup_request_failed", request_id=out.request_id, error=out.error)
             if time.monotonic() - started > timeout_s:
                 raise RuntimeError(f"warm-up did not finish within {timeout_s:g}s")
-    engine.adapters.evict(WARMUP_ADAPTER)
+    for name in adapters:
+        engine.adapters.evict(name)
     graphs = capture_graphs(engine)
     seconds = time.monotonic() - started
-    log.info("worker.warmed_up", seconds=round(seconds, 2), requests=len(requests), graphs=graphs)
+    log.info("worker.warmed_up", seconds=round(seconds, 2), requests=sum(len(b) for b in batches),
+             adapters=len(adapters), graphs=graphs)
     return seconds
 
 

@@ -266,7 +266,7 @@ def test_warm_up_runs_before_ready_and_leaves_the_pool_empty(stack, tiny_model_d
         first = warm.first_status
         assert first.resident_adapters == [] and first.running == 0 and first.waiting == 0
         assert first.free_slots == first.total_slots == NUM_SLOTS
-        assert first.adapter_loads == 1  # the warm-up adapter, evicted again
+        assert first.adapter_loads == 2  # the warm-up adapters (rank 8 and 64), evicted again
         assert "worker.warmed_up" in warm.log_path.read_text()
         cases = [("w-0", [1, 2, 3, 4], ids["adapter-001"], 4), ("w-1", [5, 6, 7], None, 4)]
         results = warm.run([submit(rid, p, a, n) for rid, p, a, n in cases])
