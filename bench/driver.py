@@ -232,7 +232,7 @@ def append_line(results: Path, line: dict) -> None:
 
 def selected(points: list, only: tuple[str, ...] = ()) -> list:
     """The points whose key contains one of `only` (all of them when it is empty): `--only /n=5/` runs one n of
-    a sweep, so a short lease measures again the points a change concerns, not the whole sweep."""
+    a sweep, so a short GPU booking measures again the points a change concerns, not the whole sweep."""
     return [p for p in points if not only or any(text in point_key(p) for text in only)]
 
 
