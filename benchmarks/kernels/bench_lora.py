@@ -221,15 +221,25 @@ def sweep_launch_shapes(model: str, group: str, num_tokens: int, n_adapters: int
                 for layer in range(num_layers):
                     kernels.lora_shrink(x, pool.k(layer), token_adapter, pool.tables, modules, max_rank, config=c,
                                         **kwargs)
-            us = time_graph(run) / num_layers * 1e3
-            rows.append({"model": model, "group": group, "batch": num_tokens, "form": form, "op": "shrink",
-                         "variant": name, "config": repr(c), "us": us, "gbs": shrink_bytes / us / 1e3})
+            rows.append(_timed_variant(run, num_layers, shrink_bytes, {
+                "model": model, "group": group, "batch": num_tokens, "form": form, "op": "shrink",
+                "variant": name, "config": repr(c)}))
         for name, c in expand_variants.items():
             def run(c=c):
                 for layer in range(num_layers):
                     kernels.lora_expand(y, pool.v(layer), token_adapter, pool.tables, modules, out, out_dims,
                                         config=c, **kwargs)
-            us = time_graph(run) / num_layers * 1e3
-            rows.append({"model": model, "group": group, "batch": num_tokens, "form": form, "op": "expand",
-                         "variant": name, "config": repr(c), "us": us, "gbs": expand_bytes / us / 1e3})
+            rows.append(_timed_variant(run, num_layers, expand_bytes, {
+                "model": model, "group": group, "batch": num_tokens, "form": form, "op": "expand",
+                "variant": name, "config": repr(c)}))
     return rows
+
+
+def _timed_variant(run, num_layers: int, nbytes: int, row: dict) -> dict:
+    """One launch shape timed per layer call; a shape that cannot compile or launch on this GPU (too much shared
+    memory, say) is a row with its error, so the sweep's other shapes still get measured."""
+    try:
+        us = time_graph(run) / num_layers * 1e3
+    except Exception as e:  # noqa: BLE001 (any compile or launch failure of one variant)
+        return {**row, "us": None, "gbs": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {**row, "us": us, "gbs": nbytes / us / 1e3}
