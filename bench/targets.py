@@ -4,8 +4,9 @@ rooflines put on it, and a verdict, as a markdown table (`loraplex bench targets
 A ratio target (n = 2000 against n = 5, loraplex against base-only) compares two points of one trace whose
 rooflines differ (a step at n = 2000 reads ~240 adapters' rows that n = 5 never reads): the rooflines' own
 ratio is what two servers at 100% of their rooflines would give at the running batch the rooflines assume
-(the server's, 256), so a target above it cannot be met by a faster server at that batch. Points are the saturation points (cv = 1, alpha = 1, early abort) at the
-highest rate measured, each its latest line (`plots.read_lines`).
+(the server's, 256), so a target above it cannot be met by a faster server at that batch. Points are the
+saturation points (cv = 1, alpha = 1, early abort) at the highest rate measured, each its latest line
+(`plots.read_lines`).
 """
 from __future__ import annotations
 
@@ -38,10 +39,13 @@ def saturation_points(paths: list[str | Path]) -> dict[tuple[str, str, int], dic
             if line.get("throughput_rps") is None:
                 continue
             key = (line["setting"], line["system"], int(line["n_adapters"]))
-            old = best.get(key)
-            if old is None or (line["req_rate"], line.get("started_at", "")) > (old["req_rate"], old.get("started_at", "")):
+            if key not in best or _rate_then_time(line) > _rate_then_time(best[key]):
                 best[key] = line
     return best
+
+
+def _rate_then_time(line: dict) -> tuple:
+    return line["req_rate"], line.get("started_at", "")
 
 
 def _day(line: dict) -> str:

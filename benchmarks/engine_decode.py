@@ -24,6 +24,9 @@ LLAMA2_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, interme
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+# The modules each model's benchmark adapters adapt: S2's q,k,v,o on Llama-2-7B, all seven linears on Llama-3-8B
+# (S-GQA).
+TARGETS = {"llama2-7b": ("q_proj", "k_proj", "v_proj", "o_proj"), "llama3-8b": tuple(MODULES)}
 
 
 def synthetic_adapter(name: str, cfg: ModelConfig, rank: int, targets: tuple[str, ...], device) -> PackedAdapter:

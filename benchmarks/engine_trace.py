@@ -17,7 +17,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, synthetic_adapter
+from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
@@ -51,8 +51,7 @@ def main() -> int:
                           max_batched_tokens=args.max_batched_tokens, cuda_graph_max_batch=args.max_running,
                           **extra)
     engine = Engine.with_dummy_weights(cfg, config)
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj") if args.model == "llama2-7b" else \
-        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets = TARGETS[args.model]
     rng = np.random.default_rng(0)
     names = []
     for i in range(args.adapters):

@@ -14,7 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, synthetic_adapter
+from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
@@ -32,8 +32,7 @@ def main() -> int:
     p.add_argument("--out", default="profile.txt")
     args = p.parse_args()
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj") if args.model == "llama2-7b" else \
-        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets = TARGETS[args.model]
     engine = Engine.with_dummy_weights(cfg, EngineConfig(device="cuda", dtype="bfloat16", num_slots=0,
                                                          max_lora_rank=64,
                                                          max_running_requests=args.batch, max_batched_tokens=8192,
@@ -60,7 +59,8 @@ def main() -> int:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 5 * 1e3
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
-        report.append(f"== {args.model} {label} batch {args.batch}: {wall:.2f} ms/step (profiled, {'graphs' if args.graphs else 'eager'})\n{table}")
+        mode = "graphs" if args.graphs else "eager"
+        report.append(f"== {args.model} {label} batch {args.batch}: {wall:.2f} ms/step (profiled, {mode})\n{table}")
         for seq in list(engine.running):
             engine.abort(seq.request_id)
         engine.step()

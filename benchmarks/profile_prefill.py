@@ -24,16 +24,14 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, synthetic_adapter
+from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
 from shared.config import EngineConfig
-from shared.model_config import MODULES, ModelConfig
+from shared.model_config import ModelConfig
 
 RANKS = (64, 32, 16, 8)
-TARGETS = {"llama2-7b": ("q_proj", "k_proj", "v_proj", "o_proj"), "llama3-8b": MODULES,
-           "tiny": ("q_proj", "k_proj", "v_proj", "o_proj")}
 
 
 def model_config(name: str) -> ModelConfig:
@@ -79,8 +77,6 @@ def finish(engine: Engine, running: int = 0) -> None:
         engine.step()
 
 
-
-
 def sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -106,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         max_lora_rank=max(RANKS), max_running_requests=args.requests + args.running,
         max_batched_tokens=args.max_batched_tokens))
     names = [f"a{i}" for i in range(args.adapters or args.requests)]
-    for i, name in enumerate(names):  # every request of the round on its own adapter, ranks mixed
-        engine._local_adapters[name] = synthetic_adapter(name, cfg, RANKS[i % len(RANKS)], TARGETS[args.model],
+    for i, name in enumerate(names):  # ranks mixed; by default each request of the round on its own adapter
+        engine._local_adapters[name] = synthetic_adapter(name, cfg, RANKS[i % len(RANKS)],
+                                                        TARGETS.get(args.model, TARGETS["llama2-7b"]),  # tiny: as S2
                                                         engine.device)
     lengths = [random.Random(i).randrange(args.prompt_min, args.prompt_max) for i in range(args.requests)]
     report = [f"round of {args.requests} requests, {sum(lengths)} prompt tokens, beside {args.running} running, "

@@ -88,7 +88,7 @@ def warmup_requests(cfg: ModelConfig, max_model_len: int, num_slots: int, max_ru
     return out
 
 
-def admission_round(cfg: ModelConfig, max_model_len: int, num_slots: int, requests: int, tokens: int,
+def warmup_round(cfg: ModelConfig, max_model_len: int, num_slots: int, requests: int, tokens: int,
                     adapters: list[str]) -> list[EngineRequest]:
     """One round of `requests` prompts filling a step's `tokens` (within a quarter of the pool), a third
     base-only and the rest over the adapters: the shape of an admission step under load."""
@@ -112,12 +112,15 @@ def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0, adapters: list[s
                                adapters)
     # The first request on each adapter runs alone, then all mix: a step's LoRA tiles follow its widest
     # adapter, so each alone and the mix are different kernels.
-    alone = [next(r for r in requests if r.adapter == name) for name in adapters
-             if any(r.adapter == name for r in requests)]
-    rest = [r for r in requests[1:] if all(r is not a for a in alone)]
+    first_on: dict[str, EngineRequest] = {}
+    for r in requests:
+        if r.adapter is not None:
+            first_on.setdefault(r.adapter, r)
+    alone = list(first_on.values())
+    rest = [r for r in requests[1:] if r.request_id not in {a.request_id for a in alone}]
     batches = [requests[:1], *([r] for r in alone), rest,
-               admission_round(cfg, engine.max_model_len, engine.pool.num_slots, engine.admission_round,
-                               config.max_batched_tokens, adapters)]
+               warmup_round(cfg, engine.max_model_len, engine.pool.num_slots, engine.admission_round,
+                            config.max_batched_tokens, adapters)]
     for batch in batches:
         for req in batch:
             engine.add_request(req)
