@@ -6,12 +6,13 @@ Points that need the same server form a group (setting, system and policy; and n
 holds exactly its n adapters): a group's stack is started once, registers the largest n of its points, and
 runs them all.
 
-A piece (`run_piece`) plans, from estimates, which of the points still missing from the results file
-(docs/bench/<sweep>.jsonl, one JSON line per point, appended as each point ends) fit in its budget: a stack
-only if its startup, one point and its stop fit, a further point only if it fits. Estimates are the spec's,
-raised to the longest this host has taken so far (timings.json in the work dir), so a piece's share does not
-depend on how fast it happens to run; while running, a point after the first of a stack is also skipped if
-the clock says it would overrun. A fresh stack can first get `stack_warmup_s` of its first point's
+A piece (`run_piece`) takes the points still missing from the results file (docs/bench/<sweep>.jsonl, one
+JSON line per point, appended as each point ends) in the sweep's order while they fit in its budget: a stack
+is started only if its startup, one point and its stop fit in the time left by the estimates, and each
+further point of a started stack only if it and the stop fit in what the clock says is left. Estimates are
+the spec's, raised to the longest this host has taken so far (timings.json in the work dir), so a stack is
+never started to measure nothing; later points go by the clock, so a piece that runs faster than estimated
+measures more instead of leaving its budget unused. A fresh stack can first get `stack_warmup_s` of its first point's
 traffic, not measured (adapters into the host cache, shapes the points will see). The first point after a
 start always runs: a start slower than estimated must not leave every piece starting a stack and measuring
 nothing. Adapter generation and registration stop at the budget too and continue in the next piece (the
@@ -375,17 +376,23 @@ class Driver:
              f"budget {self.budget_s:g} s")
         if not pending:
             return result
-        planned, result.stopped_for = self.plan(pending)
-        if not planned:
+        (_, system, _, _), group = pending[0]
+        why = self.stack_fits(system, group[0])
+        if why:
+            result.stopped_for = why
             if self.elapsed() < 0.1 * self.budget_s:  # a fresh piece cannot fit it: no piece ever will
-                raise ValueError(f"sweep {self.spec.name}: {result.stopped_for}, in a fresh piece of "
+                raise ValueError(f"sweep {self.spec.name}: {why}, in a fresh piece of "
                                  f"{self.budget_s:g} s; raise --budget-s or shorten the points")
             return result
         ceilings = measure_ceilings_apart(self.spec.device) if self.roofline else None
         if ceilings:
             note(f"ceilings on {ceilings['name']}: copy {ceilings['hbm_gbs']:.0f} GB/s, matmul "
                  f"{ceilings['matmul_tflops']:.1f} TFLOP/s, host-to-device {ceilings['h2d_gbs']:.1f} GB/s")
-        for (_, system, _, policy), group in planned:
+        for (_, system, _, policy), group in pending:
+            why = self.stack_fits(system, group[0])
+            if why:
+                result.stopped_for = why
+                break
             n = max((p.n_adapters for p in group if p.system != "base-only"), default=0)
             population = None
             if system in ADAPTER_SYSTEMS and n > 0:
@@ -410,27 +417,16 @@ class Driver:
         mine = [(key, [p for p in group if next(order) % n == i]) for key, group in pending]
         return [(key, group) for key, group in mine if group]
 
-    def plan(self, pending: list[tuple[tuple, list]]) -> tuple[list[tuple[tuple, list]], str]:
-        """The stacks and points this piece takes on, packed into the budget by the estimates (so a piece's
-        share of a sweep does not depend on how fast it happens to go), and why the rest waits."""
-        used = self.elapsed()
-        planned: list[tuple[tuple, list]] = []
-        for key, group in pending:
-            system = key[1]
-            need = self.startup_estimate(system) + self.spec.stop_s + self.point_estimate(group[0])
-            if used + need > self.budget_s:
-                return planned, (f"a {system} stack and its first point need ~{need:.0f} s; "
-                                 f"~{self.budget_s - used:.0f} s of the budget are left by the plan")
-            used += need
-            taken = [group[0]]
-            for p in group[1:]:
-                if used + self.point_estimate(p) > self.budget_s:
-                    planned.append((key, taken))
-                    return planned, f"the next point needs ~{self.point_estimate(p):.0f} s more than the budget holds"
-                used += self.point_estimate(p)
-                taken.append(p)
-            planned.append((key, taken))
-        return planned, ""
+    def stack_fits(self, system: str, first) -> str:
+        """Why a stack of `system` and its first point would not fit in what is left of the budget, by the
+        estimates (a start measured slower before counts), or "" when they do. Later points of a started stack
+        are taken one by one while the real time left holds them (run_group), so a piece whose start and
+        points go faster than estimated measures more instead of leaving its budget unused."""
+        need = self.startup_estimate(system) + self.spec.stop_s + self.point_estimate(first)
+        if need > self.left():
+            return (f"a {system} stack and its first point need ~{need:.0f} s; "
+                    f"~{self.left():.0f} s of the budget are left")
+        return ""
 
     def run_group(self, system: str, n: int, policy: str, population, group: list, ceilings: dict | None,
                   result: PieceResult) -> str:

@@ -18,9 +18,11 @@ TWO_POINTS = {
     "name": "tiny-two", "setting": "tiny", "systems": ["loraplex", "base-only"], "n": [2, 3],
     "by_system": {"base-only": {"n": [3]}}, "rates": [3],
     "duration_s": 3, "warmup_s": 0.5, "prompt_range": [4, 12], "output_range": [2, 6], "device": "cpu",
-    # Estimates that fit one point in a 100 s piece and not two: 1 s start + 41 s warm-up traffic (1 s of it,
-    # its tail estimated at 40) + 1 s stop, then 43 s per point.
-    "stack_warmup_s": 1, "startup_s": 1, "point_tail_s": 40, "stop_s": 1, "request_timeout_s": 60,
+    # Estimates that fit one stack in a 100 s piece and not two: 1 s start + 46 s warm-up traffic (1 s of it,
+    # its tail estimated at 45) + 1 s stop, then 48 s for its first point: 96 s, more than a piece has left
+    # once its first stack has started and measured (those take seconds on a CPU). A started stack's further
+    # points go by the clock.
+    "stack_warmup_s": 1, "startup_s": 1, "point_tail_s": 45, "stop_s": 1, "request_timeout_s": 60,
 }
 
 
@@ -36,35 +38,37 @@ def results(out: Path) -> list[dict]:
     return [json.loads(t) for t in path.read_text().splitlines()] if path.is_file() else []
 
 
-def test_two_point_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
+def test_a_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
+    # loraplex n = 2 and 3 and base-only share one stack; bmm needs a stack of its own.
+    spec = {**TWO_POINTS, "systems": ["loraplex", "base-only", "bmm"],
+            "by_system": {"base-only": {"n": [3]}, "bmm": {"n": [2]}}}
     spec_path = tmp_path / "tiny-two.yaml"
-    spec_path.write_text(yaml.safe_dump(TWO_POINTS))
+    spec_path.write_text(yaml.safe_dump(spec))
     work, out = tmp_path / "work", tmp_path / "out"
 
     first = sweep(spec_path, work, out, budget=100)
     assert first.returncode == 3, first.stdout + first.stderr
-    assert "run the same command again" in first.stdout
+    assert "run the same command again" in first.stdout and "a bmm stack and its first point" in first.stdout
     assert "warm-up: 1 s of traffic at 3 req/s, not measured" in first.stderr
     lines = results(out)
-    assert [x["n_adapters"] for x in lines] == [2]
-    stacks_started = len(list((work / "logs").iterdir()))
-    assert stacks_started == 1
-
-    second = sweep(spec_path, work, out, budget=200)
-    assert second.returncode == 0, second.stdout + second.stderr
-    lines = results(out)
+    # Estimated at 48 s each, the stack's later points ran because the clock said they fit.
     assert [(x["system"], x["n_adapters"]) for x in lines] == [("loraplex", 2), ("loraplex", 3), ("base-only", 3)]
-    assert len({x["key"] for x in lines}) == 3
-    # base-only ran on the second piece's loraplex stack, every request on the base model.
-    assert len(list((work / "logs").iterdir())) == 2
+    assert len(list((work / "logs").iterdir())) == 1
+    # base-only ran on the loraplex stack, every request on the base model.
     assert lines[2]["stack_command"] == lines[1]["stack_command"]
     base_records = (work / "records" / "tiny-two").glob("*base-only*")
     models = {json.loads(t)["model"] for f in base_records for t in f.read_text().splitlines() if t.strip()}
     assert models == {"tiny-llama"}, models
 
+    second = sweep(spec_path, work, out, budget=200)
+    assert second.returncode == 0, second.stdout + second.stderr
+    lines = results(out)
+    assert [(x["system"], x["n_adapters"]) for x in lines][3:] == [("bmm", 2)]
+    assert len({x["key"] for x in lines}) == 4 and len(list((work / "logs").iterdir())) == 2
+
     third = sweep(spec_path, work, out, budget=200)
     assert third.returncode == 0 and "0 points measured" in third.stdout
-    assert len(results(out)) == 3 and len(list((work / "logs").iterdir())) == 2  # no stack started
+    assert len(results(out)) == 4 and len(list((work / "logs").iterdir())) == 2  # no stack started
 
     for x in lines:
         assert x["setting"] == "tiny" and x["policy"] == "early-abort"
@@ -77,9 +81,10 @@ def test_two_point_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_pa
         assert {"gateway", "scheduler", "adapter_store", "worker-0"} <= set(x["service_cpu_s"])
         assert x["service_cpu_s"]["gateway"] > 0 and x["service_cpu_s"]["worker-0"] > 0
         assert all(v >= 0 for v in x["service_cpu_cores"].values())
-    # The second piece's stack found the first's registrations in the data dir and added the third adapter.
-    assert (lines[0]["registration"]["created"], lines[0]["registration"]["already"]) == (2, 0)
-    assert (lines[1]["registration"]["created"], lines[1]["registration"]["already"]) == (1, 2)
+    # The first stack registered the largest n of its points; the second piece's stack found them in the
+    # data dir.
+    assert (lines[0]["registration"]["created"], lines[0]["registration"]["already"]) == (3, 0)
+    assert lines[3]["registration"]["created"] == 0 and lines[3]["registration"]["already"] >= 2
     assert (work / "records" / "tiny-two").is_dir()
 
 
@@ -139,18 +144,17 @@ def test_a_system_can_have_its_own_n_list_timeout_and_tail(tmp_path):
                                  "rates": [40], "by_system": bad})
 
 
-def test_plan_packs_stacks_and_points_into_the_budget(tmp_path):
+def test_a_stack_starts_only_if_its_start_first_point_and_stop_fit_in_the_time_left(tmp_path):
     spec = SweepSpec.from_dict({"name": "x", "setting": "S2", "systems": ["loraplex", "bmm"], "n": [5, 100],
                                 "rates": [10], "duration_s": 100, "startup_s": 50, "point_tail_s": 20, "stop_s": 10})
-    driver = Driver(spec, tmp_path / "work", tmp_path / "x.jsonl", budget_s=400, progress=False)
-    planned, why = driver.plan(groups(expand(spec)))
-    # loraplex: 50 + 10 + 120 + 120 = 300; bmm's stack and first point would need 180 more.
-    assert [(key[1], [p.n_adapters for p in pts]) for key, pts in planned] == [("loraplex", [5, 100])]
-    assert "bmm stack" in why
-    # A host that has been slower raises the estimates: then one point fits.
-    driver.timings.note("point_tail", "S2/loraplex", 200.0)
-    planned, why = driver.plan(groups(expand(spec)))
-    assert [[p.n_adapters for p in pts] for _, pts in planned] == [[5]] and "next point" in why
+    driver = Driver(spec, tmp_path / "work", tmp_path / "x.jsonl", budget_s=181, progress=False)
+    first = expand(spec)[0]
+    assert driver.stack_fits("loraplex", first) == ""  # 50 + 10 + 120 = 180
+    # A host that has been slower raises the estimates: then the stack waits for the next piece.
+    driver.timings.note("startup", "S2/loraplex", 52.0)
+    why = driver.stack_fits("loraplex", first)
+    assert "loraplex stack and its first point need ~182 s" in why and "~181 s of the budget are left" in why
+    assert driver.stack_fits("bmm", first) == ""  # estimates are kept per system
 
 
 @pytest.mark.parametrize("values,message", [

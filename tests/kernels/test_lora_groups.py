@@ -53,3 +53,20 @@ def test_an_exact_distinct_count_launches_only_the_segments_in_use():
     assert bounded.seg_adapter.shape[0] == 300 and exact.seg_adapter.shape[0] == distinct == 6
     assert torch.equal(exact.token_order, bounded.token_order)
     assert segments(exact) == [s for s in segments(bounded) if s[2] > s[1]], "the same runs, none empty"
+
+
+def test_a_step_whose_adapters_the_host_does_not_know_is_planned_for_a_few_live_segments():
+    from services.gpu_worker.ops.meta import LoraBatch, LoraTables
+    from services.gpu_worker.ops.triton_backend import GRAPH_LIVE_SEGMENTS, prepare_lora
+
+    rows = torch.zeros(4096, 7, dtype=torch.int32)
+    tables = LoraTables(slots=torch.zeros(4096, 8, dtype=torch.int32), ranks=rows, a_off=rows, b_off=rows)
+    token_adapter = torch.tensor([3, 3, -1, 0] * 64, dtype=torch.int32)
+    graph = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(64,) * 7)  # as a decode graph builds it
+    prepare_lora(graph)
+    assert graph.kernel_args["seg_adapter"].shape[0] == 256  # one segment per token
+    assert graph.kernel_args["live_segments"] == GRAPH_LIVE_SEGMENTS < 256
+    eager = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(64,) * 7, max_seg_len=128,
+                      num_segments=3)
+    prepare_lora(eager)
+    assert eager.kernel_args["seg_adapter"].shape[0] == 3 and eager.kernel_args["live_segments"] is None

@@ -9,7 +9,7 @@ from conftest import ALIGNED_CFG, LoraPool, assert_matches
 from lora_cases import FORMS, make_batch
 
 from services.gpu_worker.kernels import lora_shrink
-from services.gpu_worker.kernels.lora_shrink import ShrinkConfig
+from services.gpu_worker.kernels.lora_shrink import ShrinkConfig, choose_shrink_config
 from services.gpu_worker.ops import reference
 from shared.model_config import MODULES
 
@@ -73,3 +73,34 @@ def test_shrink_prefill_token_tiles_wider_than_segments():
     # 32-token tiles over runs of 21, 3, 2, 4, 1 and 2 tokens: most of each tile is masked.
     config = ShrinkConfig(block_r=32, block_k=16, n_split=1, block_m=32, chunk_tokens=32)
     run_case(ALIGNED_CFG, torch.float16, "segments", GROUPS["gate_up"], seed=17, config=config)
+
+
+def test_a_graph_plans_its_input_split_for_the_segments_that_carry_tokens():
+    # A decode graph launches a segment per token (here 32) though a step may carry one adapter: counted as
+    # 32 busy segments the 4096 inputs are not split at all, counted as one they are.
+    common = dict(num_tokens=32, num_groups=3, fan_in=4096, width=128, max_rank=64, device=torch.device("cpu"),
+                  segmented=True, num_segments=32)
+    assert choose_shrink_config(**common).n_split == 1
+    planned = choose_shrink_config(**common, live_segments=1)
+    assert planned.n_split > 1
+    assert choose_shrink_config(**common, live_segments=64) == choose_shrink_config(**common)
+    # Exact segment counts (eager steps) are planned as before.
+    assert choose_shrink_config(**{**common, "num_segments": 1}) == planned
+
+
+def test_live_segments_change_the_launch_and_not_the_result():
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=23)
+    gen = torch.Generator().manual_seed(24)
+    token_adapter, kwargs = make_batch("grouped", lp.num_adapters, gen)
+    x = torch.randn(token_adapter.shape[0], ALIGNED_CFG.hidden_size, generator=gen)
+    modules = GROUPS["qkv"]
+    max_rank = lp.max_rank(token_adapter, modules)
+    ref = reference.lora_shrink(x, lp.k_buf, token_adapter, lp.tables, modules, max_rank)
+    bound = kwargs["seg_adapter"].shape[0]
+    fan_in = ALIGNED_CFG.hidden_size
+    plans = {choose_shrink_config(x.shape[0], 3, fan_in, lp.k_buf.shape[1], max_rank, x.device, True, None, bound,
+                                  live).n_split for live in (None, 1)}
+    assert len(plans) == 2  # one split for the bound, another for a single live segment
+    for live in (None, 1):
+        got = lora_shrink(x, lp.k_buf, token_adapter, lp.tables, modules, max_rank, live_segments=live, **kwargs)
+        assert_matches(got, ref, torch.float32)

@@ -19,7 +19,9 @@ from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, 
 from .lora_rows import check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot
 
 
-@triton.jit
+# The batch's rank, chunk length and y's stride between modules (tokens x rank) vary from step to step:
+# not specialised on, so a new value costs no compile (as in lora_shrink.py).
+@triton.jit(do_not_specialize=["stride_yg", "y_rank"])
 def _expand_token_kernel(
     y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, token_adapter_ptr,
     slots_ptr, stride_slots, ranks_ptr, b_off_ptr,
@@ -66,7 +68,7 @@ def _expand_token_kernel(
             tl.store(o_row + cols, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=cols < out_dim)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_yg", "y_rank", "chunk_tokens"])
 def _expand_segment_kernel(
     y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
     slots_ptr, stride_slots, ranks_ptr, b_off_ptr,
@@ -136,16 +138,19 @@ class ExpandConfig:
 
 def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, ...], width: int, max_rank: int,
                          device: torch.device, segmented: bool, max_seg_len: int | None = None,
-                         num_segments: int | None = None) -> ExpandConfig:
+                         num_segments: int | None = None, live_segments: int | None = None) -> ExpandConfig:
     """128-column tiles (256-byte row reads), narrower only when few tokens would leave multiprocessors
     idle. One column tile per program: walking several per program (to pay the per-program setup once)
-    measured slower on the H200 at every batch tried (docs/benchmarks.md), so tiles_per_prog stays 1."""
+    measured slower on the H200 at every batch tried (docs/benchmarks.md), so tiles_per_prog stays 1.
+    live_segments: as in choose_shrink_config."""
     target = 8 * num_sms(device)
 
     def n_tiles_of(bn: int) -> int:
         return cdiv(max(out_dims), bn)
 
     units = num_segments if segmented and num_segments is not None else num_tokens
+    if segmented and live_segments is not None:
+        units = max(1, min(units, live_segments))
     block_n = pow2_divisor(width, 128)
     if block_n < 16:
         block_n = 64
@@ -166,7 +171,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
                 modules: tuple[int, ...], out: torch.Tensor, out_dims: tuple[int, ...], *,
                 seg_start: torch.Tensor | None = None, seg_adapter: torch.Tensor | None = None,
                 token_order: torch.Tensor | None = None, max_seg_len: int | None = None,
-                config: ExpandConfig | None = None) -> None:
+                live_segments: int | None = None, config: ExpandConfig | None = None) -> None:
     """Same contract as ops.reference.lora_expand (in place on `out`); segment arguments as lora_shrink."""
     check_tensor("y", y, ndim=3, dtypes=FLOAT_DTYPES)
     device = y.device
@@ -197,7 +202,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     width = v_buf.shape[1]
     num_segments = seg_adapter.shape[0] if segmented else None
     cfg = config or choose_expand_config(num_tokens, num_groups, out_dims, width, y_rank, device, segmented,
-                                         max_seg_len, num_segments)
+                                         max_seg_len, num_segments, live_segments)
     aligned = width % cfg.block_n == 0 and cfg.block_n >= 16
     even = all(d % cfg.block_n == 0 for d in out_dims)
     n_col_groups = cdiv(cdiv(max(out_dims), cfg.block_n), cfg.tiles_per_prog)

@@ -24,6 +24,11 @@ from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, 
 from .lora_rows import check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot
 
 
+# Triton compiles a kernel again for each new combination of its int arguments' "is 1" and "divisible by
+# 16" properties. Token counts, batch ranks, input splits and chunk lengths change from step to step, so
+# each new combination cost a compile (~1 s, in a step every running request waits for) the first time
+# traffic met it. They are left unspecialised, and so is y's stride between modules (tokens x rank): it
+# only places a row of at most a few hundred bytes, whose stores gain little from a known alignment.
 @triton.jit
 def _store_shrink(acc, out_ptr, g, t, rows, rank, max_rank, n_split, split, num_groups, num_tokens, rows_p,
                   stride_og, stride_ot, SPLIT: tl.constexpr):
@@ -37,7 +42,7 @@ def _store_shrink(acc, out_ptr, g, t, rows, rank, max_rank, n_split, split, num_
         tl.store(out_ptr + base + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < max_rank)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_og", "num_tokens", "max_rank", "n_split"])
 def _shrink_token_kernel(
     x_ptr, stride_xt, buf_ptr, stride_buf, token_adapter_ptr,
     slots_ptr, stride_slots, ranks_ptr, a_off_ptr,
@@ -97,7 +102,7 @@ def _shrink_token_kernel(
                   stride_og, stride_ot, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_og", "num_tokens", "max_rank", "n_split", "chunk_tokens", "n_r_tiles"])
 def _shrink_segment_kernel(
     x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
     slots_ptr, stride_slots, ranks_ptr, a_off_ptr,
@@ -174,7 +179,7 @@ def _shrink_segment_kernel(
                      mask=p_mask[:, None] & (rows < max_rank)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_og", "num_tokens", "max_rank", "n_split"])
 def _shrink_finalize_kernel(
     part_ptr, out_ptr, stride_og, stride_ot, token_adapter_ptr, ranks_ptr,
     num_tokens, max_rank, n_split, rows_p, M0, M1, M2,
@@ -212,11 +217,13 @@ class ShrinkConfig:
 
 def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: int, max_rank: int,
                          device: torch.device, segmented: bool, max_seg_len: int | None = None,
-                         num_segments: int | None = None) -> ShrinkConfig:
+                         num_segments: int | None = None, live_segments: int | None = None) -> ShrinkConfig:
     """Enough programs to keep every multiprocessor streaming adapter rows, from few tokens (split the
     input dimension) or from many (split tokens into chunks for long prefill segments). The GEMV loop's
     loads are not software-pipelined, so memory parallelism comes from many resident programs: aim for
-    several per multiprocessor."""
+    several per multiprocessor. `live_segments` bounds how many of the segments are counted as carrying
+    tokens: a CUDA graph launches one segment per token because it cannot know the step's adapters, and
+    counting all of them as work would leave a step of a few adapters to a handful of programs."""
     block_k = pow2_divisor(width, 128)
     if block_k < 16:
         block_k = 32  # rows straddle slots inside a tile: the unaligned path
@@ -228,6 +235,8 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     block_m, chunk = 16, 0
     if segmented:
         n_units = num_segments if num_segments is not None else num_tokens
+        if live_segments is not None:
+            n_units = max(1, min(n_units, live_segments))
         if max_seg_len is not None and max_seg_len > 64:
             # Long runs (prefill) are cut into 64-token chunks, one program each. 64-token tiles only when
             # segments are long on average; a decode step grouped by adapter has a few tokens a segment.
@@ -246,7 +255,7 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
 def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
                 modules: tuple[int, ...], max_rank: int, *, seg_start: torch.Tensor | None = None,
                 seg_adapter: torch.Tensor | None = None, token_order: torch.Tensor | None = None,
-                max_seg_len: int | None = None, out: torch.Tensor | None = None,
+                max_seg_len: int | None = None, live_segments: int | None = None, out: torch.Tensor | None = None,
                 config: ShrinkConfig | None = None) -> torch.Tensor:
     """Same contract as ops.reference.lora_shrink: `[len(modules), T, max_rank]` in x's dtype.
 
@@ -254,7 +263,9 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     if given, maps sorted positions to tokens, as from group_tokens_by_adapter). max_seg_len (a host int,
     optional) lets long prefill segments be spread over 64-token programs; pass the longest run the host
     knows of (an upper bound such as T is correct but launches programs that find no tokens), and leave
-    it out for decode steps. `out` may be given to write into
+    it out for decode steps. live_segments (a host int, optional): how many segments to plan the launch for
+    when seg_adapter is only a bound (a CUDA graph's one segment per token; see choose_shrink_config); it
+    never changes results. `out` may be given to write into
     (for example a buffer reused across CUDA graph replays)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
@@ -284,7 +295,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     n_chunks = cdiv(fan_in, width)
     num_segments = seg_adapter.shape[0] if segmented else None
     cfg = config or choose_shrink_config(num_tokens, num_groups, fan_in, width, max_rank, device, segmented,
-                                         max_seg_len, num_segments)
+                                         max_seg_len, num_segments, live_segments)
     aligned = width % cfg.block_k == 0 and cfg.block_k >= 16
     k_per_split = cdiv(cdiv(fan_in, cfg.n_split), cfg.block_k) * cfg.block_k
     n_split = cdiv(fan_in, k_per_split)

@@ -1,0 +1,112 @@
+"""LoRA shrink + expand as a decode graph launches them: one segment per token, since the graph cannot know
+the step's adapters, with the launch planned for `live` busy segments (the engine's GRAPH_LIVE_SEGMENTS),
+against the plan for all of them (the engine before that hint) and the plan of an eager step that knows
+the exact distinct count.
+
+Each row is one (group, batch, adapters in the batch, plan): microseconds per layer call of shrink (with its
+split-K finalize) and expand, times captured in CUDA graphs that cycle over several layers' buffers.
+
+    python -m benchmarks.kernels.graph_live_segments --out graph_live_segments.json
+    python -m benchmarks.kernels.graph_live_segments --smoke --out /tmp/x.json   # CPU interpreter
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
+from benchmarks.kernels.timing import time_graph
+from services.gpu_worker import kernels
+from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
+
+PLANS = ("bound", 4, 8, 16, 32, 64, "exact")
+
+
+def batch_of(distinct: int, batch: int, n_adapters: int, gen: torch.Generator) -> torch.Tensor:
+    """`batch` tokens spread over `distinct` adapters (each at least once), shuffled as a decode batch is."""
+    chosen = torch.randperm(n_adapters, generator=gen)[:distinct].to(torch.int32)
+    ids = chosen[torch.arange(batch) % distinct]
+    return ids[torch.randperm(batch, generator=gen)].contiguous()
+
+
+def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_adapters: int = 256,
+            num_layers: int = 8, dtype=torch.bfloat16, device: str = "cuda", seed: int = 0) -> list[dict]:
+    cfg = llama_config(model)
+    modules = GROUPS[group]
+    fan_in, out_dims = group_dims(cfg, modules)
+    ranks = [(8, 16, 32, 64)[i % 4] for i in range(n_adapters)]
+    pool = AdapterPool(cfg, ranks, dtype, device, num_layers=num_layers, seed=seed)
+    gen = torch.Generator().manual_seed(seed + batch + distinct)
+    token_adapter = batch_of(distinct, batch, n_adapters, gen).to(device)
+    x = torch.randn(batch, fan_in, generator=gen).to(device, dtype)
+    out = torch.randn(batch, sum(out_dims), generator=gen).to(device, dtype)
+    max_rank = 64  # a decode graph's rank bucket for mixed ranks up to 64
+    bound = kernels.group_tokens_by_adapter(token_adapter)  # one segment per token, as in a graph
+    exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct)
+    rows = []
+    for plan in plans:
+        groups = exact if plan == "exact" else bound
+        hints = {**groups.kwargs(), "live_segments": plan if isinstance(plan, int) else None}
+        y = {}
+
+        def shrink():
+            for layer in range(num_layers):
+                y["y"] = kernels.lora_shrink(x, pool.k(layer), token_adapter, pool.tables, modules, max_rank, **hints)
+
+        def expand():
+            for layer in range(num_layers):
+                kernels.lora_expand(y["y"], pool.v(layer), token_adapter, pool.tables, modules, out, out_dims,
+                                    **hints)
+
+        shrink()
+        segments = groups.seg_adapter.shape[0]
+        cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, None,
+                                     segments, hints["live_segments"])
+        row = {"model": model, "group": group, "batch": batch, "distinct_adapters": distinct, "plan": str(plan),
+               "segments": segments, "n_split": cfg_s.n_split,
+               "shrink_us": time_graph(shrink) / num_layers * 1e3, "expand_us": time_graph(expand) / num_layers * 1e3,
+               "adapter_bytes": pool.adapter_bytes(token_adapter, fan_in, out_dims)}
+        row["both_us"] = row["shrink_us"] + row["expand_us"]
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
+    ap.add_argument("--model", default="llama2-7b")
+    ap.add_argument("--groups", default="qkv,o")
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--distinct", default="1,5,25,100,256")
+    args = ap.parse_args()
+    if args.smoke:
+        model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
+        plans = ("bound", 1, "exact")
+    else:
+        model, device, dtype, layers, plans = args.model, "cuda", torch.bfloat16, 8, PLANS
+        groups = args.groups.split(",")
+        batches = [int(b) for b in args.batches.split(",")]
+        distinct = [int(d) for d in args.distinct.split(",")]
+    rows = []
+    for group in groups:
+        for batch in batches:
+            for d in distinct:
+                if d > batch:
+                    continue
+                rows += measure(model, group, batch, d, plans, n_adapters=max(distinct) if args.smoke else 256,
+                                num_layers=layers, dtype=dtype, device=device)
+                best = min(rows[-len(plans):], key=lambda r: r["both_us"])
+                print(f"{group} batch {batch} adapters {d}: "
+                      + ", ".join(f"{r['plan']} {r['both_us']:.1f}" for r in rows[-len(plans):])
+                      + f" µs (best {best['plan']})", file=sys.stderr, flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                   "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

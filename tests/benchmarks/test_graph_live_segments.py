@@ -1,0 +1,24 @@
+"""The decode-graph LoRA launch benchmark runs its plans on the real kernels (CPU interpreter, tiny shapes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench import REPO, child_env
+
+
+def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
+    out = tmp_path / "g.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.kernels.graph_live_segments", "--smoke", "--out", str(out)],
+                         cwd=REPO, env=child_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [
+        (1, "bound"), (1, "1"), (1, "exact"), (3, "bound"), (3, "1"), (3, "exact")]
+    by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
+    # One segment per token (8) unless the count is exact; the input split follows the plan.
+    assert by_plan[(1, "bound")]["segments"] == 8 and by_plan[(1, "exact")]["segments"] == 1
+    assert by_plan[(1, "bound")]["n_split"] == 1 < by_plan[(1, "1")]["n_split"] == by_plan[(1, "exact")]["n_split"]
+    assert all(r["adapter_bytes"] > 0 for r in rows)
+    assert "qkv batch 8 adapters 3:" in run.stderr
