@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOFLINE_SYSTEMS = ("loraplex", "base-only")  # the systems the targets compare; other baselines share the trace
 ROOFLINE = " roofline"  # label suffix of a roofline series, drawn dashed
+OFFERED = "offered"  # the rate the load client sent, drawn dashed in grey: served = offered below capacity
 GROUP_KEYS = ("setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy")
 LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": "", "setting": ""}
 
@@ -80,8 +81,9 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
     for ax, (ylabel, key, series) in zip(axes[0], panels):
         colors: dict[str, str] = {}  # a roofline takes the colour of the line it bounds
         for label, pts in series.items():
-            color = colors.setdefault(label.removesuffix(ROOFLINE), f"C{len(colors)}")
-            style = {"linestyle": "--", "marker": "x", "alpha": 0.7} if label.endswith(ROOFLINE) else {"marker": "o"}
+            color = "grey" if label == OFFERED else colors.setdefault(label.removesuffix(ROOFLINE), f"C{len(colors)}")
+            dashed = label.endswith(ROOFLINE) or label == OFFERED
+            style = {"linestyle": "--", "marker": "x", "alpha": 0.7} if dashed else {"marker": "o"}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, **style)
         if logx:
             ax.set_xscale("log")
@@ -119,7 +121,11 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
 
     by_rate = _series(lines, "req_rate", "throughput_rps", ("setting",))
     slo_by_rate = _series(lines, "req_rate", "slo_attainment", ("setting",))
+    offered = _series([x for x in lines if "offered_rps" in x], "req_rate", "offered_rps", ("setting",))
     for (setting,), series in by_rate.items():
+        sent = next(iter(offered.get((setting,), {}).values()), None)  # the same trace for every system
+        if sent:
+            series = {**series, OFFERED: sent}
         png = out_dir / f"{stem}-rate-{setting}.png"
         written[str(png)] = _figure([("throughput (req/s)", "throughput_rps", series),
                                      ("SLO attainment (first token < 6 s)", "slo_attainment",

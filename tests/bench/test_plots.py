@@ -49,6 +49,11 @@ def test_rate_sweep_draws_throughput_and_slo_attainment(tmp_path):
     assert list(drawn) == [png] and open(png, "rb").read(8) == PNG_MAGIC
     assert drawn[png]["throughput_rps"] == {"loraplex": [(4.0, 4.0), (8.0, 8.0), (12.0, 12.0), (16.0, 12.0)]}
     assert drawn[png]["slo_attainment"] == {"loraplex": [(4.0, 1.0), (8.0, 1.0), (12.0, 1.0), (16.0, 0.5)]}
+    # With the rate the client sent, served is drawn against offered.
+    sent = [{**x, "offered_rps": x["req_rate"] * 1.01} for x in lines]
+    drawn = plot_file(write(tmp_path / "rate.jsonl", sent))
+    assert drawn[png]["throughput_rps"]["offered"] == [(r, pytest.approx(r * 1.01)) for r in (4.0, 8.0, 12.0, 16.0)]
+    assert "offered" not in drawn[png]["slo_attainment"]
 
 
 def test_cv_sweep_draws_a_line_per_policy(tmp_path):
