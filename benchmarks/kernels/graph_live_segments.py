@@ -1,7 +1,7 @@
 """LoRA shrink + expand as a decode graph launches them: one segment per token, since the graph cannot know
 the step's adapters, with the launch planned for `live` busy segments (the engine's GRAPH_LIVE_SEGMENTS),
 against the plan for all of them (the engine before that hint) and the plan of an eager step that knows
-the exact distinct count.
+the exact distinct count, and with 64-token tiles.
 
 Each row is one (group, batch, adapters in the batch, plan): microseconds per layer call of shrink (with its
 split-K finalize) and expand, times captured in CUDA graphs that cycle over several layers' buffers.
@@ -12,6 +12,7 @@ split-K finalize) and expand, times captured in CUDA graphs that cycle over seve
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -20,9 +21,18 @@ import torch
 from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
 from benchmarks.kernels.timing import time_graph
 from services.gpu_worker import kernels
+from services.gpu_worker.kernels.lora_expand import choose_expand_config
 from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 
-PLANS = ("bound", 4, 8, 16, 32, 64, "exact")
+# "16/m64": planned for 16 live segments with 64-token tiles, so a segment of a few dozen tokens is one tile
+# instead of a loop of 16-token ones.
+PLANS = ("bound", 4, 8, 16, 32, 64, "16/m64", "exact")
+
+
+def live_of(plan) -> int | None:
+    if isinstance(plan, int):
+        return plan
+    return 16 if plan == "16/m64" else None
 
 
 def batch_of(distinct: int, batch: int, n_adapters: int, gen: torch.Generator) -> torch.Tensor:
@@ -49,24 +59,30 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     rows = []
     for plan in plans:
         groups = exact if plan == "exact" else bound
-        hints = {**groups.kwargs(), "live_segments": plan if isinstance(plan, int) else None}
+        hints = {**groups.kwargs(), "live_segments": live_of(plan)}
+        segments = groups.seg_adapter.shape[0]
+        cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, None,
+                                     segments, hints["live_segments"])
+        cfg_e = choose_expand_config(batch, len(modules), out_dims, pool.width, max_rank, x.device, True, None,
+                                     segments, hints["live_segments"])
+        if plan == "16/m64":
+            cfg_s, cfg_e = dataclasses.replace(cfg_s, block_m=64), dataclasses.replace(cfg_e, block_m=64)
         y = {}
 
         def shrink():
             for layer in range(num_layers):
-                y["y"] = kernels.lora_shrink(x, pool.k(layer), token_adapter, pool.tables, modules, max_rank, **hints)
+                y["y"] = kernels.lora_shrink(x, pool.k(layer), token_adapter, pool.tables, modules, max_rank,
+                                             config=cfg_s, **hints)
 
         def expand():
             for layer in range(num_layers):
                 kernels.lora_expand(y["y"], pool.v(layer), token_adapter, pool.tables, modules, out, out_dims,
-                                    **hints)
+                                    config=cfg_e, **hints)
 
         shrink()
-        segments = groups.seg_adapter.shape[0]
-        cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, None,
-                                     segments, hints["live_segments"])
         row = {"model": model, "group": group, "batch": batch, "distinct_adapters": distinct, "plan": str(plan),
-               "segments": segments, "n_split": cfg_s.n_split,
+               "segments": segments, "n_split": cfg_s.n_split, "block_m": cfg_s.block_m,
+               "expand_block_n": cfg_e.block_n,
                "shrink_us": time_graph(shrink) / num_layers * 1e3, "expand_us": time_graph(expand) / num_layers * 1e3,
                "adapter_bytes": pool.adapter_bytes(token_adapter, fan_in, out_dims)}
         row["both_us"] = row["shrink_us"] + row["expand_us"]
@@ -80,12 +96,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--groups", default="qkv,o")
-    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--batches", default="256")
     ap.add_argument("--distinct", default="1,5,25,100,256")
     args = ap.parse_args()
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
-        plans = ("bound", 1, "exact")
+        plans = ("bound", 1, "16/m64", "exact")
     else:
         model, device, dtype, layers, plans = args.model, "cuda", torch.bfloat16, 8, PLANS
         groups = args.groups.split(",")

@@ -15,7 +15,8 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [
-        (1, "bound"), (1, "1"), (1, "exact"), (3, "bound"), (3, "1"), (3, "exact")]
+        (d, plan) for d in (1, 3) for plan in ("bound", "1", "16/m64", "exact")]
+    assert {r["block_m"] for r in rows if r["plan"] == "16/m64"} == {64}
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
     assert by_plan[(1, "bound")]["segments"] == 8 and by_plan[(1, "exact")]["segments"] == 1
