@@ -25,14 +25,15 @@ from services.gpu_worker.kernels.lora_expand import choose_expand_config
 from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 
 # "16/m64": planned for 16 live segments with 64-token tiles, so a segment of a few dozen tokens is one tile
-# instead of a loop of 16-token ones.
-PLANS = ("bound", 4, 8, 16, 32, 64, "16/m64", "exact")
+# instead of a loop of 16-token ones. "exact/16": the exact segments launched with the 16-segment plan's
+# launch shapes, so "16" minus "exact/16" is what the graph's empty segment programs cost.
+PLANS = ("bound", 4, 8, 16, 32, 64, "16/m64", "exact/16", "exact")
 
 
 def live_of(plan) -> int | None:
     if isinstance(plan, int):
         return plan
-    return 16 if plan == "16/m64" else None
+    return 16 if plan in ("16/m64", "exact/16") else None
 
 
 def batch_of(distinct: int, batch: int, n_adapters: int, gen: torch.Generator) -> torch.Tensor:
@@ -58,13 +59,14 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct)
     rows = []
     for plan in plans:
-        groups = exact if plan == "exact" else bound
+        groups = exact if str(plan).startswith("exact") else bound
         hints = {**groups.kwargs(), "live_segments": live_of(plan)}
         segments = groups.seg_adapter.shape[0]
+        planned_for = bound.seg_adapter.shape[0] if plan == "exact/16" else segments
         cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, None,
-                                     segments, hints["live_segments"])
+                                     planned_for, hints["live_segments"])
         cfg_e = choose_expand_config(batch, len(modules), out_dims, pool.width, max_rank, x.device, True, None,
-                                     segments, hints["live_segments"])
+                                     planned_for, hints["live_segments"])
         if plan == "16/m64":
             cfg_s, cfg_e = dataclasses.replace(cfg_s, block_m=64), dataclasses.replace(cfg_e, block_m=64)
         y = {}
@@ -101,7 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
-        plans = ("bound", 1, "16/m64", "exact")
+        plans = ("bound", 1, "16/m64", "exact/16", "exact")
     else:
         model, device, dtype, layers, plans = args.model, "cuda", torch.bfloat16, 8, PLANS
         groups = args.groups.split(",")

@@ -15,11 +15,16 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [
-        (d, plan) for d in (1, 3) for plan in ("bound", "1", "16/m64", "exact")]
+        (d, plan) for d in (1, 3) for plan in ("bound", "1", "16/m64", "exact/16", "exact")]
     assert {r["block_m"] for r in rows if r["plan"] == "16/m64"} == {64}
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
     assert by_plan[(1, "bound")]["segments"] == 8 and by_plan[(1, "exact")]["segments"] == 1
     assert by_plan[(1, "bound")]["n_split"] == 1 < by_plan[(1, "1")]["n_split"] == by_plan[(1, "exact")]["n_split"]
+    # The exact segments under the bound's 16-segment plan: the same launch shapes as "16" without the empty
+    # segment programs.
+    for d in (1, 3):
+        shaped = by_plan[(d, "exact/16")]
+        assert shaped["segments"] == d and shaped["n_split"] == by_plan[(d, "16/m64")]["n_split"]
     assert all(r["adapter_bytes"] > 0 for r in rows)
     assert "qkv batch 8 adapters 3:" in run.stderr
