@@ -1,7 +1,7 @@
 """LoRA shrink + expand as a decode graph launches them: one segment per token, since the graph cannot know
-the step's adapters, with the launch planned for `live` busy segments (the engine's GRAPH_LIVE_SEGMENTS),
-against the plan for all of them (the engine before that hint) and the plan of an eager step that knows
-the exact distinct count, and with 64-token tiles.
+the step's adapters, with the launch planned for a few busy segments (the engine's GRAPH_LIVE_SEGMENTS),
+with the segments shared out among fewer programs (GRAPH_SEGMENT_PROGRAMS), with 64-token tiles, against
+the plan for all of them and the plan of an eager step that knows the exact distinct count (PLANS).
 
 Each row is one (group, batch, adapters in the batch, plan): microseconds per layer call of shrink (with its
 split-K finalize) and expand, times captured in CUDA graphs that cycle over several layers' buffers.
@@ -24,16 +24,41 @@ from services.gpu_worker import kernels
 from services.gpu_worker.kernels.lora_expand import choose_expand_config
 from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 
-# "16/m64": planned for 16 live segments with 64-token tiles, so a segment of a few dozen tokens is one tile
-# instead of a loop of 16-token ones. "exact/16": the exact segments launched with the 16-segment plan's
-# launch shapes, so "16" minus "exact/16" is what the graph's empty segment programs cost.
-PLANS = ("bound", 4, 8, 16, 32, 64, "16/m64", "exact/16", "exact")
+# A plan: which segments are launched ("bound": one per token, as a graph launches them, or "exact": the
+# distinct count an eager step knows) and how the launch is shaped: "live N" plans it for N busy segments,
+# "m64" uses 64-token tiles (a segment of a few dozen tokens in one tile, not a loop of 16-token ones),
+# "pN" shares the segments out among N programs (no empty ones for unused segments). "exact live 16"
+# launches the exact segments with the 16-segment plan's shapes: "bound live 16" minus it is what the
+# graph's empty segment programs cost.
+PLANS = ("bound", "bound live 4", "bound live 8", "bound live 16", "bound live 32", "bound live 64",
+         "bound live 16 m64", "bound live 16 p16", "bound live 16 p32", "bound live 16 p64", "bound live 32 p32",
+         "exact live 16", "exact")
 
 
-def live_of(plan) -> int | None:
-    if isinstance(plan, int):
-        return plan
-    return 16 if plan in ("16/m64", "exact/16") else None
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    exact: bool
+    live: int | None = None
+    block_m: int | None = None
+    programs: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "Plan":
+        words = text.split()
+        if not words or words[0] not in ("bound", "exact"):
+            raise ValueError(f"plan {text!r} must start with bound or exact")
+        fields = {"exact": words[0] == "exact"}
+        rest = iter(words[1:])
+        for word in rest:
+            if word == "live":
+                fields["live"] = int(next(rest))
+            elif word.startswith("m"):
+                fields["block_m"] = int(word[1:])
+            elif word.startswith("p"):
+                fields["programs"] = int(word[1:])
+            else:
+                raise ValueError(f"plan {text!r}: unknown word {word!r}")
+        return cls(**fields)
 
 
 def batch_of(distinct: int, batch: int, n_adapters: int, gen: torch.Generator) -> torch.Tensor:
@@ -58,17 +83,22 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     bound = kernels.group_tokens_by_adapter(token_adapter)  # one segment per token, as in a graph
     exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct)
     rows = []
-    for plan in plans:
-        groups = exact if str(plan).startswith("exact") else bound
-        hints = {**groups.kwargs(), "live_segments": live_of(plan)}
+    for text in plans:
+        plan = Plan.parse(text)
+        groups = exact if plan.exact else bound
+        hints = {**groups.kwargs(), "live_segments": plan.live}
+        if not plan.programs:
+            hints.pop("num_live")  # one program per segment, as the engine launches them by default
         segments = groups.seg_adapter.shape[0]
-        planned_for = bound.seg_adapter.shape[0] if plan == "exact/16" else segments
+        # "exact live N" keeps the bound's launch shapes (split, tiles), only without its empty segments.
+        planned_for = bound.seg_adapter.shape[0] if plan.exact and plan.live else segments
         cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, None,
-                                     planned_for, hints["live_segments"])
+                                     planned_for, plan.live, plan.programs)
         cfg_e = choose_expand_config(batch, len(modules), out_dims, pool.width, max_rank, x.device, True, None,
-                                     planned_for, hints["live_segments"])
-        if plan == "16/m64":
-            cfg_s, cfg_e = dataclasses.replace(cfg_s, block_m=64), dataclasses.replace(cfg_e, block_m=64)
+                                     planned_for, plan.live, plan.programs)
+        if plan.block_m:
+            cfg_s = dataclasses.replace(cfg_s, block_m=plan.block_m)
+            cfg_e = dataclasses.replace(cfg_e, block_m=plan.block_m)
         y = {}
 
         def shrink():
@@ -82,9 +112,9 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
                                     config=cfg_e, **hints)
 
         shrink()
-        row = {"model": model, "group": group, "batch": batch, "distinct_adapters": distinct, "plan": str(plan),
+        row = {"model": model, "group": group, "batch": batch, "distinct_adapters": distinct, "plan": text,
                "segments": segments, "n_split": cfg_s.n_split, "block_m": cfg_s.block_m,
-               "expand_block_n": cfg_e.block_n,
+               "expand_block_n": cfg_e.block_n, "segment_programs": plan.programs,
                "shrink_us": time_graph(shrink) / num_layers * 1e3, "expand_us": time_graph(expand) / num_layers * 1e3,
                "adapter_bytes": pool.adapter_bytes(token_adapter, fan_in, out_dims)}
         row["both_us"] = row["shrink_us"] + row["expand_us"]
@@ -103,7 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
-        plans = ("bound", 1, "16/m64", "exact/16", "exact")
+        plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "exact live 16", "exact")
     else:
         model, device, dtype, layers, plans = args.model, "cuda", torch.bfloat16, 8, PLANS
         groups = args.groups.split(",")

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from bench import REPO, child_env
 
 
@@ -14,17 +16,30 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
                          cwd=REPO, env=child_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [
-        (d, plan) for d in (1, 3) for plan in ("bound", "1", "16/m64", "exact/16", "exact")]
-    assert {r["block_m"] for r in rows if r["plan"] == "16/m64"} == {64}
+    plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "exact live 16", "exact")
+    assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [(d, plan) for d in (1, 3) for plan in plans]
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
     assert by_plan[(1, "bound")]["segments"] == 8 and by_plan[(1, "exact")]["segments"] == 1
-    assert by_plan[(1, "bound")]["n_split"] == 1 < by_plan[(1, "1")]["n_split"] == by_plan[(1, "exact")]["n_split"]
-    # The exact segments under the bound's 16-segment plan: the same launch shapes as "16" without the empty
-    # segment programs.
+    assert by_plan[(1, "bound")]["n_split"] == 1 < by_plan[(1, "bound live 1")]["n_split"] == \
+        by_plan[(1, "exact")]["n_split"]
     for d in (1, 3):
-        shaped = by_plan[(d, "exact/16")]
-        assert shaped["segments"] == d and shaped["n_split"] == by_plan[(d, "16/m64")]["n_split"]
+        assert by_plan[(d, "bound live 16 m64")]["block_m"] == 64
+        assert by_plan[(d, "bound live 16 p2")]["segment_programs"] == 2
+        # The exact segments under the bound's 16-segment plan: the same launch shapes without the empty
+        # segment programs.
+        shaped = by_plan[(d, "exact live 16")]
+        assert shaped["segments"] == d and shaped["n_split"] == by_plan[(d, "bound live 16 m64")]["n_split"]
     assert all(r["adapter_bytes"] > 0 for r in rows)
     assert "qkv batch 8 adapters 3:" in run.stderr
+
+
+def test_plans_are_read_from_their_words():
+    from benchmarks.kernels.graph_live_segments import PLANS, Plan
+
+    assert Plan.parse("bound live 16 p32") == Plan(exact=False, live=16, programs=32)
+    assert Plan.parse("exact") == Plan(exact=True)
+    assert all(Plan.parse(p) for p in PLANS)
+    for bad in ("live 16", "bound q3", ""):
+        with pytest.raises(ValueError, match="plan"):
+            Plan.parse(bad)

@@ -16,10 +16,12 @@ from shared.model_config import MODULES
 GROUPS = {"qkv": (0, 1, 2), "gate_up": (4, 5), "down": (6,)}
 
 
-def run_case(cfg, dtype, form, modules, seed, config=None):
+def run_case(cfg, dtype, form, modules, seed, config=None, with_live=True):
     lp = LoraPool(cfg, dtype, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
+    if not with_live:
+        kwargs.pop("num_live", None)
     num_tokens = token_adapter.shape[0]
     out_dims = tuple(cfg.module_dims(MODULES[m])[1] for m in modules)
     max_rank = lp.max_rank(token_adapter, modules)
@@ -81,3 +83,11 @@ def test_expand_rejects_bad_arguments(mutate, message):
 def test_expand_prefill_token_tiles_wider_than_segments():
     config = ExpandConfig(block_r=32, block_n=16, block_m=32, chunk_tokens=32)
     run_case(ALIGNED_CFG, torch.float16, "segments", GROUPS["gate_up"], seed=19, config=config)
+
+
+@pytest.mark.parametrize("form,with_live", [("grouped", True), ("grouped", False), ("segments", False)])
+def test_expand_segments_shared_out_among_fewer_programs(form, with_live):
+    # Two programs take every segment between them, stopping at the count on the device when there is one.
+    chunk = 16 if form == "segments" else 0
+    config = ExpandConfig(block_r=16, block_n=16, chunk_tokens=chunk, segment_programs=2)
+    run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=29, config=config, with_live=with_live)

@@ -70,3 +70,12 @@ def test_a_step_whose_adapters_the_host_does_not_know_is_planned_for_a_few_live_
                       num_segments=3)
     prepare_lora(eager)
     assert eager.kernel_args["seg_adapter"].shape[0] == 3 and eager.kernel_args["live_segments"] is None
+
+
+def test_the_count_of_segments_in_use_is_left_on_the_device():
+    token_adapter = torch.tensor([3, 3, -1, 0, 7, 3], dtype=torch.int32)
+    groups = group_tokens_by_adapter(token_adapter, max_adapters=4096)
+    assert groups.seg_adapter.shape[0] == 6 and groups.num_live.tolist() == [4]
+    assert [a for a, lo, hi in segments(groups)[:4]] == [-1, 0, 3, 7]
+    assert all(hi == lo for _, lo, hi in segments(groups)[4:])  # past num_live: empty
+    assert group_tokens_by_adapter(token_adapter[:0]).num_live.tolist() == [0]

@@ -16,10 +16,12 @@ from shared.model_config import MODULES
 GROUPS = {"qkv": (0, 1, 2), "gate_up": (4, 5), "down": (6,)}
 
 
-def run_case(cfg, dtype, form, modules, seed, config=None):
+def run_case(cfg, dtype, form, modules, seed, config=None, with_live=True):
     lp = LoraPool(cfg, dtype, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
+    if not with_live:
+        kwargs.pop("num_live", None)
     fan_in = cfg.module_dims(MODULES[modules[0]])[0]
     x = torch.randn(token_adapter.shape[0], fan_in, generator=gen).to(dtype)
     max_rank = lp.max_rank(token_adapter, modules)
@@ -104,3 +106,13 @@ def test_live_segments_change_the_launch_and_not_the_result():
     for live in (None, 1):
         got = lora_shrink(x, lp.k_buf, token_adapter, lp.tables, modules, max_rank, live_segments=live, **kwargs)
         assert_matches(got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("n_split", [1, 3])
+@pytest.mark.parametrize("form,with_live", [("grouped", True), ("grouped", False), ("segments", False)])
+def test_shrink_segments_shared_out_among_fewer_programs(form, with_live, n_split):
+    # Two programs take every segment between them, stopping at the count on the device when there is one;
+    # base-only tokens still get their zeros.
+    chunk = 16 if form == "segments" else 0
+    config = ShrinkConfig(block_r=16, block_k=16, n_split=n_split, chunk_tokens=chunk, segment_programs=2)
+    run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=31, config=config, with_live=with_live)

@@ -1,5 +1,5 @@
 """The LoRA kernels' int arguments that change from step to step are not specialised on, so a step with a
-new token count, batch rank, input split or chunk length reuses a compiled kernel instead of compiling one
+new token count, batch rank, input split, chunk length or segment count reuses a compiled kernel instead of compiling one
 (about a second, in a step every running request waits for)."""
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 STEP_VARYING = {
     ("lora_shrink", "_shrink_token_kernel"): {"stride_og", "num_tokens", "max_rank", "n_split"},
     ("lora_shrink", "_shrink_segment_kernel"): {"stride_og", "num_tokens", "max_rank", "n_split", "chunk_tokens",
-                                                "n_r_tiles"},
+                                                "n_r_tiles", "num_segments", "seg_programs"},
     ("lora_shrink", "_shrink_finalize_kernel"): {"stride_og", "num_tokens", "max_rank", "n_split"},
     ("lora_expand", "_expand_token_kernel"): {"stride_yg", "y_rank"},
-    ("lora_expand", "_expand_segment_kernel"): {"stride_yg", "y_rank", "chunk_tokens"},
+    ("lora_expand", "_expand_segment_kernel"): {"stride_yg", "y_rank", "chunk_tokens", "num_segments",
+                                                "seg_programs"},
 }
 
 

@@ -68,35 +68,53 @@ def _expand_token_kernel(
             tl.store(o_row + cols, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=cols < out_dim)
 
 
-@triton.jit(do_not_specialize=["stride_yg", "y_rank", "chunk_tokens"])
+@triton.jit(do_not_specialize=["stride_yg", "y_rank", "chunk_tokens", "num_segments", "seg_programs"])
 def _expand_segment_kernel(
-    y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+    y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr, live_ptr,
     slots_ptr, stride_slots, ranks_ptr, b_off_ptr,
-    out_ptr, stride_ot, W, y_rank, chunk_tokens, n_col_groups, tiles_per_prog,
+    out_ptr, stride_ot, W, y_rank, chunk_tokens, n_col_groups, tiles_per_prog, num_segments, seg_programs,
     M0, M1, M2, D0, D1, D2, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    s = tl.program_id(0)
     g = tl.program_id(2) // n_col_groups
     out_dim = module_slot(g, D0, D1, D2)
     n_lo = (tl.program_id(2) % n_col_groups) * tiles_per_prog * BLOCK_N
-    a = tl.load(seg_adapter_ptr + s)
-    if (a < 0) | (n_lo >= out_dim):
+    if n_lo >= out_dim:
         return
     m = module_slot(g, M0, M1, M2)
-    rank = tl.minimum(tl.load(ranks_ptr + a * 7 + m), y_rank)
-    seg_end = tl.load(seg_start_ptr + s + 1)
-    p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
-    p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
-    if (rank == 0) | (p_lo >= p_hi):
-        return
+    n_hi = tl.minimum(out_dim, n_lo + tiles_per_prog * BLOCK_N)
+    # As in the shrink kernel: program i takes segments i, i + seg_programs, ... up to those in use.
+    n_seg = num_segments
+    if HAS_LIVE:
+        n_seg = tl.load(live_ptr)
+    for s in range(tl.program_id(0), n_seg, seg_programs):
+        a = tl.load(seg_adapter_ptr + s)
+        a_safe = tl.maximum(a, 0)
+        rank = tl.where(a >= 0, tl.minimum(tl.load(ranks_ptr + a_safe * 7 + m), y_rank), 0)
+        seg_end = tl.load(seg_start_ptr + s + 1)
+        p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
+        p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
+        if (rank > 0) & (p_lo < p_hi):
+            _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
+                            b_off_ptr, out_ptr, stride_ot, W, a_safe, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim,
+                            C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION)
+
+
+@triton.jit
+def _expand_segment(
+    y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots, b_off_ptr,
+    out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Positions p_lo .. p_hi - 1 of one adapter's segment, one program's column tile of module g."""
     first = tl.load(b_off_ptr + a * 7 + m)
     list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
     n_chunks = (out_dim + W - 1) // W
     y_base = y_ptr + g.to(tl.int64) * stride_yg
     col0 = module_slot(g, C0, C1, C2)
-    n_hi = tl.minimum(out_dim, n_lo + tiles_per_prog * BLOCK_N)
     for p0 in range(p_lo, p_hi, BLOCK_M):
         pos = p0 + tl.arange(0, BLOCK_M)
         p_mask = pos < p_hi
@@ -132,17 +150,19 @@ class ExpandConfig:
     tiles_per_prog: int = 1  # column tiles one program walks
     block_m: int = 16  # segment form only
     chunk_tokens: int = 0  # segment form: tokens per program (0 = whole segment)
+    segment_programs: int = 0  # segment form: programs that share the segments out (0 = one per segment)
     num_warps: int = 4
     num_stages: int = 2
 
 
 def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, ...], width: int, max_rank: int,
                          device: torch.device, segmented: bool, max_seg_len: int | None = None,
-                         num_segments: int | None = None, live_segments: int | None = None) -> ExpandConfig:
+                         num_segments: int | None = None, live_segments: int | None = None,
+                         segment_programs: int = 0) -> ExpandConfig:
     """128-column tiles (256-byte row reads), narrower only when few tokens would leave multiprocessors
     idle. One column tile per program: walking several per program (to pay the per-program setup once)
     measured slower on the H200 at every batch tried (docs/benchmarks.md), so tiles_per_prog stays 1.
-    live_segments: as in choose_shrink_config."""
+    live_segments, segment_programs: as in choose_shrink_config."""
     target = 8 * num_sms(device)
 
     def n_tiles_of(bn: int) -> int:
@@ -151,6 +171,8 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     units = num_segments if segmented and num_segments is not None else num_tokens
     if segmented and live_segments is not None:
         units = max(1, min(units, live_segments))
+    if segmented and segment_programs > 0:
+        units = min(units, segment_programs)
     block_n = pow2_divisor(width, 128)
     if block_n < 16:
         block_n = 64
@@ -163,7 +185,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
             chunk = 64
             block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
         return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, block_m=block_m,
-                            chunk_tokens=chunk)
+                            chunk_tokens=chunk, segment_programs=segment_programs)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
 
 
@@ -171,7 +193,8 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
                 modules: tuple[int, ...], out: torch.Tensor, out_dims: tuple[int, ...], *,
                 seg_start: torch.Tensor | None = None, seg_adapter: torch.Tensor | None = None,
                 token_order: torch.Tensor | None = None, max_seg_len: int | None = None,
-                live_segments: int | None = None, config: ExpandConfig | None = None) -> None:
+                live_segments: int | None = None, num_live: torch.Tensor | None = None,
+                segment_programs: int = 0, config: ExpandConfig | None = None) -> None:
     """Same contract as ops.reference.lora_expand (in place on `out`); segment arguments as lora_shrink."""
     check_tensor("y", y, ndim=3, dtypes=FLOAT_DTYPES)
     device = y.device
@@ -202,7 +225,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     width = v_buf.shape[1]
     num_segments = seg_adapter.shape[0] if segmented else None
     cfg = config or choose_expand_config(num_tokens, num_groups, out_dims, width, y_rank, device, segmented,
-                                         max_seg_len, num_segments, live_segments)
+                                         max_seg_len, num_segments, live_segments, segment_programs)
     aligned = width % cfg.block_n == 0 and cfg.block_n >= 16
     even = all(d % cfg.block_n == 0 for d in out_dims)
     n_col_groups = cdiv(cdiv(max(out_dims), cfg.block_n), cfg.tiles_per_prog)
@@ -224,12 +247,17 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     n_seq_chunks = max(1, cdiv(longest, chunk))
     if n_seq_chunks > 65535:
         raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
-    _expand_segment_kernel[(num_segments, n_seq_chunks, num_groups * n_col_groups)](
+    seg_programs = min(num_segments, cfg.segment_programs) if cfg.segment_programs > 0 else num_segments
+    seg_programs = max(seg_programs, 1)
+    if num_live is not None:
+        check_tensor("num_live", num_live, ndim=1, dtypes=(torch.int32,), device=device)
+    _expand_segment_kernel[(seg_programs, n_seq_chunks, num_groups * n_col_groups)](
         y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), seg_start, seg_adapter,
-        token_order if token_order is not None else seg_start,
+        token_order if token_order is not None else seg_start, num_live if num_live is not None else seg_start,
         tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
-        out, out.stride(0), width, y_rank, chunk, n_col_groups, cfg.tiles_per_prog,
+        out, out.stride(0), width, y_rank, chunk, n_col_groups, cfg.tiles_per_prog, num_segments, seg_programs,
         m0, m1, m2, d0, d1, d2, c0, c1, c2,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
-        HAS_ORDER=token_order is not None, PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        HAS_ORDER=token_order is not None, HAS_LIVE=num_live is not None,
+        PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -23,9 +23,11 @@ class AdapterGroups:
     token_order: torch.Tensor  # int32 [T]
     seg_start: torch.Tensor  # int32 [S + 1]
     seg_adapter: torch.Tensor  # int32 [S]
+    num_live: torch.Tensor  # int32 [1]: segments 0 .. num_live - 1 hold tokens, the rest are empty
 
     def kwargs(self) -> dict:
-        return {"seg_start": self.seg_start, "seg_adapter": self.seg_adapter, "token_order": self.token_order}
+        return {"seg_start": self.seg_start, "seg_adapter": self.seg_adapter, "token_order": self.token_order,
+                "num_live": self.num_live}
 
 
 def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | None = None,
@@ -44,7 +46,7 @@ def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | Non
         num_segments = max(1, min(num_segments, num_distinct))
     if num_tokens == 0:
         empty = torch.zeros(1, dtype=torch.int32, device=device)
-        return AdapterGroups(empty[:0], empty, empty[:0])
+        return AdapterGroups(empty[:0], empty, empty[:0], empty.clone())
     sorted_adapter, order = torch.sort(token_adapter, stable=True)
     is_start = torch.ones(num_tokens, dtype=torch.bool, device=device)
     is_start[1:] = sorted_adapter[1:] != sorted_adapter[:-1]
@@ -55,4 +57,5 @@ def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | Non
     seg_start.scatter_(0, torch.where(is_start, seg_id, num_segments + 1), positions)
     seg_adapter = torch.full((num_segments,), -1, dtype=torch.int32, device=device)
     seg_adapter.scatter_(0, seg_id, sorted_adapter)
-    return AdapterGroups(order.to(torch.int32), seg_start[: num_segments + 1].to(torch.int32), seg_adapter)
+    num_live = (seg_id[-1:] + 1).clamp_max(num_segments).to(torch.int32)
+    return AdapterGroups(order.to(torch.int32), seg_start[: num_segments + 1].to(torch.int32), seg_adapter, num_live)

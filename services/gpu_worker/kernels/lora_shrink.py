@@ -102,23 +102,48 @@ def _shrink_token_kernel(
                   stride_og, stride_ot, SPLIT)
 
 
-@triton.jit(do_not_specialize=["stride_og", "num_tokens", "max_rank", "n_split", "chunk_tokens", "n_r_tiles"])
+@triton.jit(do_not_specialize=["stride_og", "num_tokens", "max_rank", "n_split", "chunk_tokens", "n_r_tiles",
+                               "num_segments", "seg_programs"])
 def _shrink_segment_kernel(
-    x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+    x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr, live_ptr,
     slots_ptr, stride_slots, ranks_ptr, a_off_ptr,
     out_ptr, stride_og, stride_ot,
     num_tokens, fan_in, W, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk_tokens, n_r_tiles,
+    num_segments, seg_programs,
     M0, M1, M2,
     NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_LIVE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    s = tl.program_id(0)
     pid = tl.program_id(2)
     split = pid % n_split
     r_tile = (pid // n_split) % n_r_tiles
     g = pid // (n_split * n_r_tiles)
     m = module_slot(g, M0, M1, M2)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, fan_in)
+    # Program i takes segments i, i + seg_programs, ... up to the segments in use (all of them without a
+    # count on the device): fewer programs than segments leave no empty ones for a graph's unused segments.
+    n_seg = num_segments
+    if HAS_LIVE:
+        n_seg = tl.load(live_ptr)
+    for s in range(tl.program_id(0), n_seg, seg_programs):
+        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+                        slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+                        num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, split, g, m, r_tile, k_lo, k_hi,
+                        NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION)
+
+
+@triton.jit
+def _shrink_segment(
+    x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+    slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, split, g, m, r_tile, k_lo, k_hi,
+    NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One segment's token chunk of one program's (module, rank tile, input split)."""
     a = tl.load(seg_adapter_ptr + s)
     a_safe = tl.maximum(a, 0)
     rank = tl.load(ranks_ptr + a_safe * 7 + m)
@@ -130,8 +155,6 @@ def _shrink_segment_kernel(
     p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
     rows = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < rank
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, fan_in)
     for p0 in range(p_lo, p_hi, BLOCK_M):
         pos = p0 + tl.arange(0, BLOCK_M)
         p_mask = pos < p_hi
@@ -211,19 +234,23 @@ class ShrinkConfig:
     n_split: int
     block_m: int = 16  # segment form only
     chunk_tokens: int = 0  # segment form: tokens per program (0 = whole segment)
+    segment_programs: int = 0  # segment form: programs that share the segments out (0 = one per segment)
     num_warps: int = 4
     num_stages: int = 2
 
 
 def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: int, max_rank: int,
                          device: torch.device, segmented: bool, max_seg_len: int | None = None,
-                         num_segments: int | None = None, live_segments: int | None = None) -> ShrinkConfig:
+                         num_segments: int | None = None, live_segments: int | None = None,
+                         segment_programs: int = 0) -> ShrinkConfig:
     """Enough programs to keep every multiprocessor streaming adapter rows, from few tokens (split the
     input dimension) or from many (split tokens into chunks for long prefill segments). The GEMV loop's
     loads are not software-pipelined, so memory parallelism comes from many resident programs: aim for
     several per multiprocessor. `live_segments` bounds how many of the segments are counted as carrying
     tokens: a CUDA graph launches one segment per token because it cannot know the step's adapters, and
-    counting all of them as work would leave a step of a few adapters to a handful of programs."""
+    counting all of them as work would leave a step of a few adapters to a handful of programs.
+    `segment_programs` (0: one program per segment) shares the segments out among that many programs, so a
+    graph's unused segments launch none."""
     block_k = pow2_divisor(width, 128)
     if block_k < 16:
         block_k = 32  # rows straddle slots inside a tile: the unaligned path
@@ -237,6 +264,8 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
         n_units = num_segments if num_segments is not None else num_tokens
         if live_segments is not None:
             n_units = max(1, min(n_units, live_segments))
+        if segment_programs > 0:
+            n_units = min(n_units, segment_programs)
         if max_seg_len is not None and max_seg_len > 64:
             # Long runs (prefill) are cut into 64-token chunks, one program each. 64-token tiles only when
             # segments are long on average; a decode step grouped by adapter has a few tokens a segment.
@@ -249,13 +278,14 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     n_split = max(1, min(cdiv(target, base), cdiv(fan_in, block_k), 64))
     # The segment form's loads feed tl.dot and are software-pipelined; three stages measured faster.
     return ShrinkConfig(block_r=block_r, block_k=block_k, n_split=n_split, block_m=block_m, chunk_tokens=chunk,
-                        num_stages=3 if segmented else 2)
+                        segment_programs=segment_programs if segmented else 0, num_stages=3 if segmented else 2)
 
 
 def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
                 modules: tuple[int, ...], max_rank: int, *, seg_start: torch.Tensor | None = None,
                 seg_adapter: torch.Tensor | None = None, token_order: torch.Tensor | None = None,
-                max_seg_len: int | None = None, live_segments: int | None = None, out: torch.Tensor | None = None,
+                max_seg_len: int | None = None, live_segments: int | None = None, num_live: torch.Tensor | None = None,
+                segment_programs: int = 0, out: torch.Tensor | None = None,
                 config: ShrinkConfig | None = None) -> torch.Tensor:
     """Same contract as ops.reference.lora_shrink: `[len(modules), T, max_rank]` in x's dtype.
 
@@ -265,7 +295,9 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     knows of (an upper bound such as T is correct but launches programs that find no tokens), and leave
     it out for decode steps. live_segments (a host int, optional): how many segments to plan the launch for
     when seg_adapter is only a bound (a CUDA graph's one segment per token; see choose_shrink_config); it
-    never changes results. `out` may be given to write into
+    never changes results. segment_programs (see choose_shrink_config) with num_live (int32 [1] on the device:
+    how many segments, from the first, hold tokens; optional) lets fewer programs than segments cover them.
+    `out` may be given to write into
     (for example a buffer reused across CUDA graph replays)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
@@ -295,7 +327,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     n_chunks = cdiv(fan_in, width)
     num_segments = seg_adapter.shape[0] if segmented else None
     cfg = config or choose_shrink_config(num_tokens, num_groups, fan_in, width, max_rank, device, segmented,
-                                         max_seg_len, num_segments, live_segments)
+                                         max_seg_len, num_segments, live_segments, segment_programs)
     aligned = width % cfg.block_k == 0 and cfg.block_k >= 16
     k_per_split = cdiv(cdiv(fan_in, cfg.n_split), cfg.block_k) * cfg.block_k
     n_split = cdiv(fan_in, k_per_split)
@@ -321,13 +353,19 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
         if n_seq_chunks > 65535:
             raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        _shrink_segment_kernel[(num_segments, n_seq_chunks, num_groups * r_tiles * n_split)](
+        seg_programs = min(num_segments, cfg.segment_programs) if cfg.segment_programs > 0 else num_segments
+        seg_programs = max(seg_programs, 1)
+        if num_live is not None:
+            check_tensor("num_live", num_live, ndim=1, dtypes=(torch.int32,), device=device)
+        _shrink_segment_kernel[(seg_programs, n_seq_chunks, num_groups * r_tiles * n_split)](
             x, x.stride(0), k_buf, k_buf.stride(0), seg_start, seg_adapter,
-            token_order if token_order is not None else seg_start,
+            token_order if token_order is not None else seg_start, num_live if num_live is not None else seg_start,
             tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
             dst, out.stride(0), out.stride(1),
             num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk, r_tiles,
-            m0, m1, m2, BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None, PRECISION=precision, **common)
+            num_segments, seg_programs,
+            m0, m1, m2, BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None, HAS_LIVE=num_live is not None,
+            PRECISION=precision, **common)
     if split:
         block_r = min(next_pow2(rows_p), 256)
         _shrink_finalize_kernel[(num_tokens, num_groups, cdiv(rows_p, block_r))](

@@ -16,11 +16,16 @@ __all__ = ["write_kv", "attention", "lora_shrink", "lora_expand", "prepare_lora"
 # launches a segment per token, but a decode batch of 256 usually carries a few to ~100 adapters. Planning
 # shrink's input split for 256 busy segments split it once, so a step of 5 adapters ran on 30 programs.
 GRAPH_LIVE_SEGMENTS = 16
+# Programs that share a graph's segments out (0: one per segment, most of which find no tokens and return).
+# benchmarks/kernels/graph_live_segments.py measures both ways; the choice follows its GPU run.
+GRAPH_SEGMENT_PROGRAMS = 0
 
 
 def prepare_lora(lora: LoraBatch) -> None:
     """Sort the step's tokens by adapter on the device (no host sync), so each adapter's rows are read once
     per step by the segment form of shrink and expand, at decode and prefill alike."""
     groups = group_tokens_by_adapter(lora.token_adapter, lora.tables.ranks.shape[0], lora.num_segments)
-    live = GRAPH_LIVE_SEGMENTS if lora.num_segments is None else None
-    lora.kernel_args = {**groups.kwargs(), "max_seg_len": lora.max_seg_len, "live_segments": live}
+    graph = lora.num_segments is None
+    lora.kernel_args = {**groups.kwargs(), "max_seg_len": lora.max_seg_len,
+                        "live_segments": GRAPH_LIVE_SEGMENTS if graph else None,
+                        "segment_programs": GRAPH_SEGMENT_PROGRAMS if graph else 0}
