@@ -25,10 +25,11 @@ from .lora_rows import check_pool_buffer, check_segments, check_tables, load_ada
 
 
 # Triton compiles a kernel again for each new combination of its int arguments' "is 1" and "divisible by
-# 16" properties. Token counts, batch ranks, input splits and chunk lengths change from step to step, so
-# each new combination cost a compile (~1 s, in a step every running request waits for) the first time
-# traffic met it. They are left unspecialised, and so is y's stride between modules (tokens x rank): it
-# only places a row of at most a few hundred bytes, whose stores gain little from a known alignment.
+# 16" properties. Token counts, batch ranks, input splits, chunk lengths and segment counts change from
+# step to step, so each new combination cost a compile (~1 s, in a step every running request waits for)
+# the first time traffic met it. They are left unspecialised, and so is y's stride between modules
+# (tokens x rank): it only places a row of at most a few hundred bytes, whose stores gain little from a
+# known alignment.
 @triton.jit
 def _store_shrink(acc, out_ptr, g, t, rows, rank, max_rank, n_split, split, num_groups, num_tokens, rows_p,
                   stride_og, stride_ot, SPLIT: tl.constexpr):
