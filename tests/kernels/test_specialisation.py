@@ -1,6 +1,6 @@
 """The LoRA kernels' int arguments that change from step to step are not specialised on, so a step with a
-new token count, batch rank, input split, chunk length or segment count reuses a compiled kernel instead of compiling one
-(about a second, in a step every running request waits for)."""
+new token count, batch rank, input split, chunk length or segment count reuses a compiled kernel instead
+of compiling one (about a second, in a step every running request waits for)."""
 from __future__ import annotations
 
 import importlib

@@ -76,7 +76,7 @@ def _expand_segment_kernel(
     M0, M1, M2, D0, D1, D2, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SHARED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     g = tl.program_id(2) // n_col_groups
     out_dim = module_slot(g, D0, D1, D2)
@@ -85,21 +85,37 @@ def _expand_segment_kernel(
         return
     m = module_slot(g, M0, M1, M2)
     n_hi = tl.minimum(out_dim, n_lo + tiles_per_prog * BLOCK_N)
-    # As in the shrink kernel: program i takes segments i, i + seg_programs, ... up to those in use.
-    n_seg = num_segments
-    if HAS_LIVE:
-        n_seg = tl.load(live_ptr)
-    for s in range(tl.program_id(0), n_seg, seg_programs):
+    if SHARED:
+        # As in the shrink kernel: program i takes segments i, i + seg_programs, ... up to those in use.
+        n_seg = num_segments
+        if HAS_LIVE:
+            n_seg = tl.load(live_ptr)
+        for s in range(tl.program_id(0), n_seg, seg_programs):
+            a = tl.load(seg_adapter_ptr + s)
+            a_safe = tl.maximum(a, 0)
+            rank = tl.where(a >= 0, tl.minimum(tl.load(ranks_ptr + a_safe * 7 + m), y_rank), 0)
+            seg_end = tl.load(seg_start_ptr + s + 1)
+            p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
+            p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
+            if (rank > 0) & (p_lo < p_hi):
+                _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
+                                stride_slots, b_off_ptr, out_ptr, stride_ot, W, a_safe, m, g, rank, p_lo, p_hi, n_lo,
+                                n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
+                                PRECISION)
+    else:
+        s = tl.program_id(0)
         a = tl.load(seg_adapter_ptr + s)
-        a_safe = tl.maximum(a, 0)
-        rank = tl.where(a >= 0, tl.minimum(tl.load(ranks_ptr + a_safe * 7 + m), y_rank), 0)
+        if a < 0:
+            return
+        rank = tl.minimum(tl.load(ranks_ptr + a * 7 + m), y_rank)
         seg_end = tl.load(seg_start_ptr + s + 1)
         p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
         p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
-        if (rank > 0) & (p_lo < p_hi):
-            _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
-                            b_off_ptr, out_ptr, stride_ot, W, a_safe, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim,
-                            C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION)
+        if (rank == 0) | (p_lo >= p_hi):
+            return
+        _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
+                        b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim,
+                        C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION)
 
 
 @triton.jit
@@ -249,6 +265,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
     seg_programs = min(num_segments, cfg.segment_programs) if cfg.segment_programs > 0 else num_segments
     seg_programs = max(seg_programs, 1)
+    shared = seg_programs < num_segments  # else one program per segment, the count on the device unused
     if num_live is not None:
         check_tensor("num_live", num_live, ndim=1, dtypes=(torch.int32,), device=device)
     _expand_segment_kernel[(seg_programs, n_seq_chunks, num_groups * n_col_groups)](
@@ -258,6 +275,6 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         out, out.stride(0), width, y_rank, chunk, n_col_groups, cfg.tiles_per_prog, num_segments, seg_programs,
         m0, m1, m2, d0, d1, d2, c0, c1, c2,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
-        HAS_ORDER=token_order is not None, HAS_LIVE=num_live is not None,
+        HAS_ORDER=token_order is not None, HAS_LIVE=shared and num_live is not None, SHARED=shared,
         PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

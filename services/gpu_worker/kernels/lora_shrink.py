@@ -114,7 +114,7 @@ def _shrink_segment_kernel(
     M0, M1, M2,
     NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    HAS_LIVE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_LIVE: tl.constexpr, SHARED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(2)
     split = pid % n_split
@@ -123,16 +123,24 @@ def _shrink_segment_kernel(
     m = module_slot(g, M0, M1, M2)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, fan_in)
-    # Program i takes segments i, i + seg_programs, ... up to the segments in use (all of them without a
-    # count on the device): fewer programs than segments leave no empty ones for a graph's unused segments.
-    n_seg = num_segments
-    if HAS_LIVE:
-        n_seg = tl.load(live_ptr)
-    for s in range(tl.program_id(0), n_seg, seg_programs):
+    if SHARED:
+        # Program i takes segments i, i + seg_programs, ... up to the segments in use (all of them without a
+        # count on the device): fewer programs than segments leave no empty ones for a graph's unused
+        # segments. A constexpr branch, so the one-segment-a-program launch keeps its registers.
+        n_seg = num_segments
+        if HAS_LIVE:
+            n_seg = tl.load(live_ptr)
+        for s in range(tl.program_id(0), n_seg, seg_programs):
+            _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+                            slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+                            num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, split, g, m, r_tile, k_lo,
+                            k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION)
+    else:
         _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
                         slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-                        num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, split, g, m, r_tile, k_lo, k_hi,
-                        NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION)
+                        num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, tl.program_id(0), split, g, m,
+                        r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER,
+                        PRECISION)
 
 
 @triton.jit
@@ -356,6 +364,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         seg_programs = min(num_segments, cfg.segment_programs) if cfg.segment_programs > 0 else num_segments
         seg_programs = max(seg_programs, 1)
+        shared = seg_programs < num_segments  # else one program per segment, the count on the device unused
         if num_live is not None:
             check_tensor("num_live", num_live, ndim=1, dtypes=(torch.int32,), device=device)
         _shrink_segment_kernel[(seg_programs, n_seq_chunks, num_groups * r_tiles * n_split)](
@@ -365,8 +374,8 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
             dst, out.stride(0), out.stride(1),
             num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk, r_tiles,
             num_segments, seg_programs,
-            m0, m1, m2, BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None, HAS_LIVE=num_live is not None,
-            PRECISION=precision, **common)
+            m0, m1, m2, BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None,
+            HAS_LIVE=shared and num_live is not None, SHARED=shared, PRECISION=precision, **common)
     if split:
         block_r = min(next_pow2(rows_p), 256)
         _shrink_finalize_kernel[(num_tokens, num_groups, cdiv(rows_p, block_r))](
