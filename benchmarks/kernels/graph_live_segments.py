@@ -122,6 +122,26 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     return rows
 
 
+def rank_graph_plans(rows: list[dict]) -> list[dict]:
+    """The plans a graph can use (those launching the bound), best first: for each batch and adapter count,
+    a plan's time summed over the groups (a layer's LoRA work), over the best such plan's; ranked by the mean
+    of that ratio over the counts, the worst ratio beside it. Rows without a time (no GPU) are left out."""
+    cost: dict[str, dict[tuple, float]] = {}
+    for r in rows:
+        if r["plan"].startswith("bound") and r["both_us"] == r["both_us"]:  # NaN without a GPU
+            key = (r["batch"], r["distinct_adapters"])
+            cost.setdefault(r["plan"], {})[key] = cost.get(r["plan"], {}).get(key, 0.0) + r["both_us"]
+    cases = set.intersection(*(set(c) for c in cost.values())) if cost else set()
+    if not cases:
+        return []
+    best = {k: min(c[k] for c in cost.values()) for k in cases}
+    ranked = []
+    for plan, c in cost.items():
+        ratios = [c[k] / best[k] for k in sorted(cases)]
+        ranked.append({"plan": plan, "mean_over_best": sum(ratios) / len(ratios), "worst_over_best": max(ratios)})
+    return sorted(ranked, key=lambda x: x["mean_over_best"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -151,9 +171,13 @@ def main() -> None:
                 print(f"{group} batch {batch} adapters {d}: "
                       + ", ".join(f"{r['plan']} {r['both_us']:.1f}" for r in rows[-len(plans):])
                       + f" µs (best {best['plan']})", file=sys.stderr, flush=True)
+    ranked = rank_graph_plans(rows)
+    for x in ranked[:5]:
+        print(f"graph plan {x['plan']}: {x['mean_over_best']:.3f} x the best on average, "
+              f"{x['worst_over_best']:.3f} at worst", file=sys.stderr)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                   "torch": torch.__version__, "rows": rows}, f, indent=1)
+                   "torch": torch.__version__, "rows": rows, "graph_plans": ranked}, f, indent=1)
 
 
 if __name__ == "__main__":

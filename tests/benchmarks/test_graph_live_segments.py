@@ -43,3 +43,22 @@ def test_plans_are_read_from_their_words():
     for bad in ("live 16", "bound q3", ""):
         with pytest.raises(ValueError, match="plan"):
             Plan.parse(bad)
+
+
+def test_graph_plans_are_ranked_by_their_cost_over_the_best_per_case():
+    from benchmarks.kernels.graph_live_segments import rank_graph_plans
+
+    def row(plan, d, group, us):
+        return {"plan": plan, "batch": 256, "distinct_adapters": d, "group": group, "both_us": us}
+
+    rows = [row("bound", 5, "qkv", 40.0), row("bound", 5, "o", 20.0), row("bound", 100, "qkv", 30.0),
+            row("bound", 100, "o", 10.0),
+            row("bound live 16", 5, "qkv", 20.0), row("bound live 16", 5, "o", 10.0),
+            row("bound live 16", 100, "qkv", 36.0), row("bound live 16", 100, "o", 12.0),
+            row("exact", 5, "qkv", 1.0), row("exact", 5, "o", 1.0)]  # not a graph's: left out
+    ranked = rank_graph_plans(rows)
+    # live 16: 30/30 at n = 5, 48/40 at n = 100; the bound: 60/30 and 40/40.
+    assert [x["plan"] for x in ranked] == ["bound live 16", "bound"]
+    assert ranked[0]["mean_over_best"] == 1.1 and ranked[0]["worst_over_best"] == 1.2
+    assert ranked[1]["mean_over_best"] == 1.5 and ranked[1]["worst_over_best"] == 2.0
+    assert rank_graph_plans([row("bound", 5, "qkv", float("nan"))]) == []
