@@ -98,10 +98,11 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
         for f in folders:
             assert upload(c, f, f.name).status_code in (200, 201)
     names = [f.name for f in folders]
-    trace = [TraceRequest(i, 0.1 * i, i % 2, 24, 48) for i in range(12)]
+    # Outputs long enough, and samples close enough, that requests are seen in flight on a loaded machine.
+    trace = [TraceRequest(i, 0.1 * i, i % 2, 24, 120) for i in range(12)]
 
     before = scrape(core_stack)
-    sampler = ServerSampler(core_stack.url, interval_s=0.1).start()
+    sampler = ServerSampler(core_stack.url, interval_s=0.05).start()
     records = asyncio.run(run_trace(core_stack.url, trace, lambda r: names[r.adapter], VOCAB_SIZE, progress=False, processes=1))
     report = sampler.stop()
     after = scrape(core_stack)
