@@ -365,7 +365,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
         seg_programs = min(num_segments, cfg.segment_programs) if cfg.segment_programs > 0 else num_segments
         seg_programs = max(seg_programs, 1)
         shared = seg_programs < num_segments  # else one program per segment, the count on the device unused
-        if num_live is not None:
+        if shared and num_live is not None:
             check_tensor("num_live", num_live, ndim=1, dtypes=(torch.int32,), device=device)
         _shrink_segment_kernel[(seg_programs, n_seq_chunks, num_groups * r_tiles * n_split)](
             x, x.stride(0), k_buf, k_buf.stride(0), seg_start, seg_adapter,
