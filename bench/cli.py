@@ -300,7 +300,8 @@ def cmd_adapters(args, argv) -> int:
     return 0
 
 
-ACTIONS = {"run": cmd_run, "sweep": cmd_sweep, "plot": cmd_plot, "targets": cmd_targets, "roofline": cmd_roofline, "adapters": cmd_adapters}
+ACTIONS = {"run": cmd_run, "sweep": cmd_sweep, "plot": cmd_plot, "targets": cmd_targets, "roofline": cmd_roofline,
+           "adapters": cmd_adapters}
 
 
 def _exit_on_sigterm(signum, _frame):

@@ -12,8 +12,8 @@ is started only if its startup, one point and its stop fit in the time left by t
 further point of a started stack only if it and the stop fit in what the clock says is left. Estimates are
 the spec's, raised to the longest this host has taken so far (timings.json in the work dir), so a stack is
 never started to measure nothing; later points go by the clock, so a piece that runs faster than estimated
-measures more instead of leaving its budget unused. A fresh stack can first get `stack_warmup_s` of its first point's
-traffic, not measured (adapters into the host cache, shapes the points will see). The first point after a
+measures more instead of leaving its budget unused. A fresh stack can first get `stack_warmup_s` of its
+first point's traffic, not measured (adapters into the host cache, shapes the points will see). The first point after a
 start always runs: a start slower than estimated must not leave every piece starting a stack and measuring
 nothing. Adapter generation and registration stop at the budget too and continue in the next piece (the
 stack's Redis keeps what was registered). Running the same command again resumes; a point already in the
@@ -376,23 +376,19 @@ class Driver:
              f"budget {self.budget_s:g} s")
         if not pending:
             return result
-        (_, system, _, _), group = pending[0]
-        why = self.stack_fits(system, group[0])
-        if why:
-            result.stopped_for = why
-            if self.elapsed() < 0.1 * self.budget_s:  # a fresh piece cannot fit it: no piece ever will
-                raise ValueError(f"sweep {self.spec.name}: {why}, in a fresh piece of "
-                                 f"{self.budget_s:g} s; raise --budget-s or shorten the points")
-            return result
-        ceilings = measure_ceilings_apart(self.spec.device) if self.roofline else None
-        if ceilings:
-            note(f"ceilings on {ceilings['name']}: copy {ceilings['hbm_gbs']:.0f} GB/s, matmul "
-                 f"{ceilings['matmul_tflops']:.1f} TFLOP/s, host-to-device {ceilings['h2d_gbs']:.1f} GB/s")
-        for (_, system, _, policy), group in pending:
+        ceilings = None
+        for i, ((_, system, _, policy), group) in enumerate(pending):
             why = self.stack_fits(system, group[0])
             if why:
+                if i == 0 and self.elapsed() < 0.1 * self.budget_s:  # a fresh piece cannot fit it: none ever will
+                    raise ValueError(f"sweep {self.spec.name}: {why}, in a fresh piece of "
+                                     f"{self.budget_s:g} s; raise --budget-s or shorten the points")
                 result.stopped_for = why
                 break
+            if i == 0 and self.roofline:  # measured once per piece, before its first stack
+                ceilings = measure_ceilings_apart(self.spec.device)
+                note(f"ceilings on {ceilings['name']}: copy {ceilings['hbm_gbs']:.0f} GB/s, matmul "
+                     f"{ceilings['matmul_tflops']:.1f} TFLOP/s, host-to-device {ceilings['h2d_gbs']:.1f} GB/s")
             n = max((p.n_adapters for p in group if p.system != "base-only"), default=0)
             population = None
             if system in ADAPTER_SYSTEMS and n > 0:

@@ -66,7 +66,9 @@ def launch_everything(dtype=torch.bfloat16) -> None:
                 out = torch.zeros(num_tokens, sum(out_dims), dtype=dtype)
                 grouped = kernels.group_tokens_by_adapter(token_adapter, 100).kwargs()
                 # The last: as a decode graph may launch them, segments shared out among 32 programs.
-                for kwargs in ({}, grouped, {**grouped, "live_segments": 16, "segment_programs": 32}):
+                shared = {**kernels.group_tokens_by_adapter(token_adapter, 100, count_live=True).kwargs(),
+                          "live_segments": 16, "segment_programs": 32}
+                for kwargs in ({}, grouped, shared):
                     y = kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, 64, **kwargs)
                     kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, **kwargs)
             seg = dict(seg_start=torch.tensor([0, 700, 1024], dtype=torch.int32),

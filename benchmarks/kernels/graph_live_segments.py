@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections import defaultdict
 
 import torch
 
@@ -80,8 +81,8 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     x = torch.randn(batch, fan_in, generator=gen).to(device, dtype)
     out = torch.randn(batch, sum(out_dims), generator=gen).to(device, dtype)
     max_rank = 64  # a decode graph's rank bucket for mixed ranks up to 64
-    bound = kernels.group_tokens_by_adapter(token_adapter)  # one segment per token, as in a graph
-    exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct)
+    bound = kernels.group_tokens_by_adapter(token_adapter, count_live=True)  # a segment per token, as in a graph
+    exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct, count_live=True)
     rows = []
     for text in plans:
         plan = Plan.parse(text)
@@ -126,11 +127,10 @@ def rank_graph_plans(rows: list[dict]) -> list[dict]:
     """The plans a graph can use (those launching the bound), best first: for each batch and adapter count,
     a plan's time summed over the groups (a layer's LoRA work), over the best such plan's; ranked by the mean
     of that ratio over the counts, the worst ratio beside it. Rows without a time (no GPU) are left out."""
-    cost: dict[str, dict[tuple, float]] = {}
+    cost: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
     for r in rows:
         if r["plan"].startswith("bound") and r["both_us"] == r["both_us"]:  # NaN without a GPU
-            key = (r["batch"], r["distinct_adapters"])
-            cost.setdefault(r["plan"], {})[key] = cost.get(r["plan"], {}).get(key, 0.0) + r["both_us"]
+            cost[r["plan"]][r["batch"], r["distinct_adapters"]] += r["both_us"]
     cases = set.intersection(*(set(c) for c in cost.values())) if cost else set()
     if not cases:
         return []

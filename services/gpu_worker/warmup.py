@@ -89,7 +89,7 @@ def warmup_requests(cfg: ModelConfig, max_model_len: int, num_slots: int, max_ru
 
 
 def warmup_round(cfg: ModelConfig, max_model_len: int, num_slots: int, requests: int, tokens: int,
-                    adapters: list[str]) -> list[EngineRequest]:
+                 adapters: list[str]) -> list[EngineRequest]:
     """One round of `requests` prompts filling a step's `tokens` (within a quarter of the pool), a third
     base-only and the rest over the adapters: the shape of an admission step under load."""
     requests = max(1, requests)
@@ -117,7 +117,8 @@ def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0, adapters: list[s
         if r.adapter is not None:
             first_on.setdefault(r.adapter, r)
     alone = list(first_on.values())
-    rest = [r for r in requests[1:] if r.request_id not in {a.request_id for a in alone}]
+    alone_ids = {r.request_id for r in alone}
+    rest = [r for r in requests[1:] if r.request_id not in alone_ids]
     batches = [requests[:1], *([r] for r in alone), rest,
                warmup_round(cfg, engine.max_model_len, engine.pool.num_slots, engine.admission_round,
                             config.max_batched_tokens, adapters)]

@@ -23,8 +23,7 @@ def test_a_wide_adapter_joins_when_ranks_above_16_are_accepted():
 
 def test_the_admission_round_fills_a_step_within_a_quarter_of_the_pool():
     cfg = ModelConfig.from_hf(hf_config("tiny", VOCAB_SIZE))
-    round_ = warmup_round(cfg, max_model_len=2048, num_slots=100_000, requests=32, tokens=8192,
-                             adapters=["x", "y"])
+    round_ = warmup_round(cfg, max_model_len=2048, num_slots=100_000, requests=32, tokens=8192, adapters=["x", "y"])
     assert len(round_) == 32 and {len(r.prompt_ids) for r in round_} == {256}
     assert sum(r.adapter is None for r in round_) == 11 and {r.adapter for r in round_} == {None, "x", "y"}
     small = warmup_round(cfg, max_model_len=2048, num_slots=4000, requests=4, tokens=8192, adapters=["x"])

@@ -34,5 +34,6 @@ def make_batch(form: str, num_adapters: int, gen: torch.Generator) -> tuple[torc
         return token_adapter, {"seg_start": seg_start, "seg_adapter": seg_adapter, "max_seg_len": 21}
     token_adapter = decode_tokens(num_adapters, 11, gen)
     if form == "grouped":
-        return token_adapter, group_tokens_by_adapter(token_adapter, max_adapters=num_adapters + 1).kwargs()
+        groups = group_tokens_by_adapter(token_adapter, max_adapters=num_adapters + 1, count_live=True)
+        return token_adapter, groups.kwargs()
     return token_adapter, {}

@@ -57,7 +57,7 @@ def test_an_exact_distinct_count_launches_only_the_segments_in_use():
 
 def test_a_step_whose_adapters_the_host_does_not_know_is_planned_for_a_few_live_segments():
     from services.gpu_worker.ops.meta import LoraBatch, LoraTables
-    from services.gpu_worker.ops.triton_backend import GRAPH_LIVE_SEGMENTS, prepare_lora
+    from services.gpu_worker.ops.triton_backend import GRAPH_LIVE_SEGMENTS, GRAPH_SEGMENT_PROGRAMS, prepare_lora
 
     rows = torch.zeros(4096, 7, dtype=torch.int32)
     tables = LoraTables(slots=torch.zeros(4096, 8, dtype=torch.int32), ranks=rows, a_off=rows, b_off=rows)
@@ -66,16 +66,24 @@ def test_a_step_whose_adapters_the_host_does_not_know_is_planned_for_a_few_live_
     prepare_lora(graph)
     assert graph.kernel_args["seg_adapter"].shape[0] == 256  # one segment per token
     assert graph.kernel_args["live_segments"] == GRAPH_LIVE_SEGMENTS < 256
+    # The count of segments in use is made only when the graph's launches share segments out.
+    assert graph.kernel_args["segment_programs"] == GRAPH_SEGMENT_PROGRAMS
+    assert ("num_live" in graph.kernel_args) == (GRAPH_SEGMENT_PROGRAMS > 0)
     eager = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(64,) * 7, max_seg_len=128,
                       num_segments=3)
     prepare_lora(eager)
     assert eager.kernel_args["seg_adapter"].shape[0] == 3 and eager.kernel_args["live_segments"] is None
+    assert eager.kernel_args["segment_programs"] == 0 and "num_live" not in eager.kernel_args
 
 
 def test_the_count_of_segments_in_use_is_left_on_the_device():
     token_adapter = torch.tensor([3, 3, -1, 0, 7, 3], dtype=torch.int32)
-    groups = group_tokens_by_adapter(token_adapter, max_adapters=4096)
+    groups = group_tokens_by_adapter(token_adapter, max_adapters=4096, count_live=True)
     assert groups.seg_adapter.shape[0] == 6 and groups.num_live.tolist() == [4]
+    assert groups.kwargs()["num_live"] is groups.num_live
     assert [a for a, lo, hi in segments(groups)[:4]] == [-1, 0, 3, 7]
     assert all(hi == lo for _, lo, hi in segments(groups)[4:])  # past num_live: empty
-    assert group_tokens_by_adapter(token_adapter[:0]).num_live.tolist() == [0]
+    assert group_tokens_by_adapter(token_adapter[:0], count_live=True).num_live.tolist() == [0]
+    # Not asked for, not computed: a step whose launches do not share segments out pays nothing for it.
+    plain = group_tokens_by_adapter(token_adapter, max_adapters=4096)
+    assert plain.num_live is None and "num_live" not in plain.kwargs()

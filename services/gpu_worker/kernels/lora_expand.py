@@ -16,7 +16,10 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
-from .lora_rows import check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot
+from .lora_rows import (
+    check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
+    segment_programs_of,
+)
 
 
 # The batch's rank, chunk length and y's stride between modules (tokens x rank) vary from step to step:
@@ -91,31 +94,34 @@ def _expand_segment_kernel(
         if HAS_LIVE:
             n_seg = tl.load(live_ptr)
         for s in range(tl.program_id(0), n_seg, seg_programs):
-            a = tl.load(seg_adapter_ptr + s)
-            a_safe = tl.maximum(a, 0)
-            rank = tl.where(a >= 0, tl.minimum(tl.load(ranks_ptr + a_safe * 7 + m), y_rank), 0)
-            seg_end = tl.load(seg_start_ptr + s + 1)
-            p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
-            p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
+            a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, m, y_rank,
+                                                chunk_tokens)
             if (rank > 0) & (p_lo < p_hi):
                 _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
-                                stride_slots, b_off_ptr, out_ptr, stride_ot, W, a_safe, m, g, rank, p_lo, p_hi, n_lo,
+                                stride_slots, b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo,
                                 n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
                                 PRECISION)
     else:
-        s = tl.program_id(0)
-        a = tl.load(seg_adapter_ptr + s)
-        if a < 0:
-            return
-        rank = tl.minimum(tl.load(ranks_ptr + a * 7 + m), y_rank)
-        seg_end = tl.load(seg_start_ptr + s + 1)
-        p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
-        p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
+        a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, tl.program_id(0), m, y_rank,
+                                            chunk_tokens)
         if (rank == 0) | (p_lo >= p_hi):
             return
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim,
                         C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION)
+
+
+@triton.jit
+def _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, m, y_rank, chunk_tokens):
+    """Segment s's adapter (0 for base-only, whose rank is 0), its rank for module m, and the positions of
+    this program's token chunk of it."""
+    a = tl.load(seg_adapter_ptr + s)
+    a_safe = tl.maximum(a, 0)
+    rank = tl.where(a >= 0, tl.minimum(tl.load(ranks_ptr + a_safe * 7 + m), y_rank), 0)
+    seg_end = tl.load(seg_start_ptr + s + 1)
+    p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
+    p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
+    return a_safe, rank, p_lo, p_hi
 
 
 @triton.jit
@@ -185,10 +191,8 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         return cdiv(max(out_dims), bn)
 
     units = num_segments if segmented and num_segments is not None else num_tokens
-    if segmented and live_segments is not None:
-        units = max(1, min(units, live_segments))
-    if segmented and segment_programs > 0:
-        units = min(units, segment_programs)
+    if segmented:
+        units = planned_segments(units, live_segments, segment_programs)
     block_n = pow2_divisor(width, 128)
     if block_n < 16:
         block_n = 64
@@ -263,11 +267,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     n_seq_chunks = max(1, cdiv(longest, chunk))
     if n_seq_chunks > 65535:
         raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
-    seg_programs = min(num_segments, cfg.segment_programs) if cfg.segment_programs > 0 else num_segments
-    seg_programs = max(seg_programs, 1)
-    shared = seg_programs < num_segments  # else one program per segment, the count on the device unused
-    if shared and num_live is not None:
-        check_tensor("num_live", num_live, ndim=1, dtypes=(torch.int32,), device=device)
+    seg_programs, shared = segment_programs_of(num_segments, cfg.segment_programs, num_live, device)
     _expand_segment_kernel[(seg_programs, n_seq_chunks, num_groups * n_col_groups)](
         y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), seg_start, seg_adapter,
         token_order if token_order is not None else seg_start, num_live if num_live is not None else seg_start,

@@ -23,21 +23,26 @@ class AdapterGroups:
     token_order: torch.Tensor  # int32 [T]
     seg_start: torch.Tensor  # int32 [S + 1]
     seg_adapter: torch.Tensor  # int32 [S]
-    num_live: torch.Tensor  # int32 [1]: segments 0 .. num_live - 1 hold tokens, the rest are empty
+    # int32 [1], when asked for: segments 0 .. num_live - 1 hold tokens, the rest are empty.
+    num_live: torch.Tensor | None = None
 
     def kwargs(self) -> dict:
-        return {"seg_start": self.seg_start, "seg_adapter": self.seg_adapter, "token_order": self.token_order,
-                "num_live": self.num_live}
+        out = {"seg_start": self.seg_start, "seg_adapter": self.seg_adapter, "token_order": self.token_order}
+        if self.num_live is not None:
+            out["num_live"] = self.num_live
+        return out
 
 
 def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | None = None,
-                            num_distinct: int | None = None) -> AdapterGroups:
+                            num_distinct: int | None = None, count_live: bool = False) -> AdapterGroups:
     """Sort tokens by adapter (stable) and cut the sorted order into runs of one adapter.
 
     max_adapters (resident table rows; adapter ids lie in 0 .. max_adapters - 1) bounds the number of
     distinct adapters, so at most max_adapters + 1 segments (the +1 for base-only tokens) are launched
     instead of one per token. num_distinct, when the caller knows it (an eager step built on the host), is
-    the exact number of distinct ids, base-only included: it must not be an underestimate."""
+    the exact number of distinct ids, base-only included: it must not be an underestimate. count_live also
+    leaves the number of segments in use on the device (for kernels that share segments out among fewer
+    programs; one more small op per step, so only when asked)."""
     check_tensor("token_adapter", token_adapter, ndim=1, dtypes=(torch.int32,), contiguous=True)
     device = token_adapter.device
     num_tokens = token_adapter.shape[0]
@@ -46,7 +51,7 @@ def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | Non
         num_segments = max(1, min(num_segments, num_distinct))
     if num_tokens == 0:
         empty = torch.zeros(1, dtype=torch.int32, device=device)
-        return AdapterGroups(empty[:0], empty, empty[:0], empty.clone())
+        return AdapterGroups(empty[:0], empty, empty[:0], empty.clone() if count_live else None)
     sorted_adapter, order = torch.sort(token_adapter, stable=True)
     is_start = torch.ones(num_tokens, dtype=torch.bool, device=device)
     is_start[1:] = sorted_adapter[1:] != sorted_adapter[:-1]
@@ -57,5 +62,5 @@ def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | Non
     seg_start.scatter_(0, torch.where(is_start, seg_id, num_segments + 1), positions)
     seg_adapter = torch.full((num_segments,), -1, dtype=torch.int32, device=device)
     seg_adapter.scatter_(0, seg_id, sorted_adapter)
-    num_live = (seg_id[-1:] + 1).clamp_max(num_segments).to(torch.int32)
+    num_live = (seg_id[-1:] + 1).to(torch.int32) if count_live else None
     return AdapterGroups(order.to(torch.int32), seg_start[: num_segments + 1].to(torch.int32), seg_adapter, num_live)

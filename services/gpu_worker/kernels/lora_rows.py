@@ -59,6 +59,25 @@ def check_pool_buffer(name: str, buf: torch.Tensor, device: torch.device) -> Non
     check_tensor(name, buf, ndim=2, dtypes=FLOAT_DTYPES, device=device)
 
 
+def planned_segments(segments: int, live_segments: int | None, segment_programs: int) -> int:
+    """Segments a launch plan counts as work: at most `live_segments` of them carry tokens (a CUDA graph's
+    one segment per token is only a bound), and at most `segment_programs` programs take them on."""
+    if live_segments is not None:
+        segments = max(1, min(segments, live_segments))
+    return min(segments, segment_programs) if segment_programs > 0 else segments
+
+
+def segment_programs_of(num_segments: int, segment_programs: int, num_live,
+                        device: torch.device) -> tuple[int, bool]:
+    """Programs along the segment axis of a segment-form launch, and whether they share the segments out
+    (fewer programs than segments; otherwise one program a segment and the count on the device unused)."""
+    programs = max(1, min(num_segments, segment_programs) if segment_programs > 0 else num_segments)
+    shared = programs < num_segments
+    if shared and num_live is not None:
+        check_tensor("num_live", num_live, ndim=1, dtypes=(torch.int32,), device=device)
+    return programs, shared
+
+
 def check_segments(num_tokens: int, device: torch.device, seg_start, seg_adapter, token_order) -> None:
     """Segment form: runs of (sorted) token positions sharing one adapter; optional token_order maps a
     sorted position to its token. Segments must cover positions 0..T-1 (empty ones are allowed)."""

@@ -21,7 +21,10 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
-from .lora_rows import check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot
+from .lora_rows import (
+    check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
+    segment_programs_of,
+)
 
 
 # Triton compiles a kernel again for each new combination of its int arguments' "is 1" and "divisible by
@@ -270,11 +273,8 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     target = 8 * num_sms(device)
     block_m, chunk = 16, 0
     if segmented:
-        n_units = num_segments if num_segments is not None else num_tokens
-        if live_segments is not None:
-            n_units = max(1, min(n_units, live_segments))
-        if segment_programs > 0:
-            n_units = min(n_units, segment_programs)
+        n_units = planned_segments(num_segments if num_segments is not None else num_tokens, live_segments,
+                                   segment_programs)
         if max_seg_len is not None and max_seg_len > 64:
             # Long runs (prefill) are cut into 64-token chunks, one program each. 64-token tiles only when
             # segments are long on average; a decode step grouped by adapter has a few tokens a segment.
@@ -362,11 +362,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
         if n_seq_chunks > 65535:
             raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
-        seg_programs = min(num_segments, cfg.segment_programs) if cfg.segment_programs > 0 else num_segments
-        seg_programs = max(seg_programs, 1)
-        shared = seg_programs < num_segments  # else one program per segment, the count on the device unused
-        if shared and num_live is not None:
-            check_tensor("num_live", num_live, ndim=1, dtypes=(torch.int32,), device=device)
+        seg_programs, shared = segment_programs_of(num_segments, cfg.segment_programs, num_live, device)
         _shrink_segment_kernel[(seg_programs, n_seq_chunks, num_groups * r_tiles * n_split)](
             x, x.stride(0), k_buf, k_buf.stride(0), seg_start, seg_adapter,
             token_order if token_order is not None else seg_start, num_live if num_live is not None else seg_start,

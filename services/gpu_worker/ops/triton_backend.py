@@ -24,8 +24,9 @@ GRAPH_SEGMENT_PROGRAMS = 0
 def prepare_lora(lora: LoraBatch) -> None:
     """Sort the step's tokens by adapter on the device (no host sync), so each adapter's rows are read once
     per step by the segment form of shrink and expand, at decode and prefill alike."""
-    groups = group_tokens_by_adapter(lora.token_adapter, lora.tables.ranks.shape[0], lora.num_segments)
     graph = lora.num_segments is None
+    programs = GRAPH_SEGMENT_PROGRAMS if graph else 0
+    groups = group_tokens_by_adapter(lora.token_adapter, lora.tables.ranks.shape[0], lora.num_segments,
+                                     count_live=programs > 0)
     lora.kernel_args = {**groups.kwargs(), "max_seg_len": lora.max_seg_len,
-                        "live_segments": GRAPH_LIVE_SEGMENTS if graph else None,
-                        "segment_programs": GRAPH_SEGMENT_PROGRAMS if graph else 0}
+                        "live_segments": GRAPH_LIVE_SEGMENTS if graph else None, "segment_programs": programs}
