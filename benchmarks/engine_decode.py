@@ -73,6 +73,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--slots", type=int, default=120_000)
     p.add_argument("--modes", default="graphs,eager", help="graphs, eager or both")
+    p.add_argument("--few-adapters", default="0",
+                   help="graphs only: cuda_graph_few_adapters values to compare, comma-separated (0 = every graph "
+                        "planned for all its segments; 32 = steps of <= 32 adapters replay graphs of their own)")
+    p.add_argument("--segment-programs", type=int, default=32, help="cuda_graph_segment_programs")
     p.add_argument("--out", default="engine_decode.json")
     args = p.parse_args()
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
@@ -81,10 +85,13 @@ def main() -> int:
     counts = [int(a) for a in args.adapters.split(",")]
     targets = tuple(MODULES) if args.targets == "all" else tuple(args.targets.split(","))
     results = []
-    for graphs in [m == "graphs" for m in args.modes.split(",")]:
+    few_values = [int(f) for f in args.few_adapters.split(",")]
+    engines = [(m == "graphs", few) for m in args.modes.split(",") for few in (few_values if m == "graphs" else [0])]
+    for graphs, few in engines:
         config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=args.slots, max_lora_rank=max(ranks),
                               max_running_requests=max(batches),
-                              max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(batches))
+                              max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(batches),
+                              cuda_graph_few_adapters=few, cuda_graph_segment_programs=args.segment_programs)
         engine = Engine.with_dummy_weights(cfg, config)
         names = []
         for i in range(max(counts)):
@@ -95,7 +102,8 @@ def main() -> int:
         for batch in batches:
             for label, used in (("base", []), *(("lora", names[:k]) for k in counts)):
                 r = measure(engine, batch, used, args.prompt_len, args.steps)
-                r.update(model=args.model, targets=list(targets), graphs=graphs, mode=label, adapters=min(len(used), batch))
+                r.update(model=args.model, targets=list(targets), graphs=graphs, mode=label, adapters=min(len(used), batch),
+                         few_adapters=few, segment_programs=args.segment_programs if few else 0)
                 results.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
         del engine

@@ -29,6 +29,7 @@ def main() -> int:
     p.add_argument("--adapters", type=int, default=100)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--graphs", action="store_true", help="replay decode steps from CUDA graphs")
+    p.add_argument("--few-adapters", type=int, default=0, help="cuda_graph_few_adapters (graphs only)")
     p.add_argument("--out", default="profile.txt")
     args = p.parse_args()
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
@@ -36,7 +37,8 @@ def main() -> int:
     engine = Engine.with_dummy_weights(cfg, EngineConfig(device="cuda", dtype="bfloat16", num_slots=0,
                                                          max_lora_rank=64,
                                                          max_running_requests=args.batch, max_batched_tokens=8192,
-                                                         cuda_graphs=args.graphs))
+                                                         cuda_graphs=args.graphs,
+                                                         cuda_graph_few_adapters=args.few_adapters))
     ranks = (8, 16, 32, 64)
     names = []
     for i in range(args.adapters):

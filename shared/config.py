@@ -50,6 +50,13 @@ class EngineConfig:
                                       "rest are captured on first use; 0 = all on first use", 120.0)
     cuda_graph_max_context: int = _doc("longest context whose decode graphs are captured before ready (0 = "
                                        "max_model_len)", 2048)
+    cuda_graph_few_adapters: int = _doc("decode steps carrying at most this many distinct adapters replay graphs of "
+                                        "their own, whose LoRA launches are planned for that many busy segments "
+                                        "and share them out among cuda_graph_segment_programs programs (a graph "
+                                        "launches a segment per token, most of them empty at a few adapters); "
+                                        "0 = one graph per shape, planned for every segment", 0)
+    cuda_graph_segment_programs: int = _doc("programs per column tile that share a few-adapter graph's segments "
+                                            "out (see cuda_graph_few_adapters)", 32)
     lora_mode: str = _doc("how adapters are applied: unified (paged pool kernels), bmm (baseline: rows copied to "
                           "buffers padded to the batch's max rank, torch.bmm) or merge (baseline: one adapter per "
                           "batch, merged into the base weights)", "unified")
@@ -73,6 +80,13 @@ class EngineConfig:
                              f"less than num_slots ({self.num_slots})")
         if isinstance(self.admission_batch, bool) or not isinstance(self.admission_batch, int) or self.admission_batch < 1:
             raise ValueError(f"admission_batch must be an integer >= 1 (1 = admit at every step), got {self.admission_batch!r}")
+        for name in ("cuda_graph_few_adapters", "cuda_graph_segment_programs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.cuda_graph_few_adapters and not self.cuda_graph_segment_programs:
+            raise ValueError("cuda_graph_segment_programs must be > 0 when cuda_graph_few_adapters is set (the "
+                             "few-adapter graphs share their segments out among that many programs)")
         if not self.cuda_graph_warmup_s >= 0 or self.cuda_graph_max_context < 0:
             raise ValueError("cuda_graph_warmup_s and cuda_graph_max_context must be >= 0, got "
                              f"{self.cuda_graph_warmup_s!r} and {self.cuda_graph_max_context!r}")

@@ -1,6 +1,6 @@
 """LoRA shrink + expand as a decode graph launches them: one segment per token, since the graph cannot know
-the step's adapters, with the launch planned for a few busy segments (the engine's GRAPH_LIVE_SEGMENTS),
-with the segments shared out among fewer programs (GRAPH_SEGMENT_PROGRAMS), with 64-token tiles, against
+the step's adapters, with the launch planned for a few busy segments and the segments shared out among
+fewer programs (the engine's cuda_graph_few_adapters and cuda_graph_segment_programs), with 64-token tiles, against
 the plan for all of them and the plan of an eager step that knows the exact distinct count (PLANS).
 
 Each row is one (group, batch, adapters in the batch, plan): microseconds per layer call of shrink (with its

@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs, one graph per (batch-size bucket, LoRA rank bucket).
+"""Decode steps replayed from CUDA graphs, one graph per (batch-size bucket, LoRA rank bucket, context bucket,
+LoRA launch plan, LoRA groups in use).
 
 A decode step of a 7B model is ~500 small kernel launches; launching them from Python costs more than the
 GPU needs to run them at small batch. Capturing the whole forward once per shape and replaying it makes a
@@ -9,6 +10,18 @@ Shapes fixed at capture: the batch size (padded up to a bucket), the shrink widt
 adapter in the batch has rank <= it) and the attention split, planned for the context bucket (a power of two
 >= the longest context in the batch): planning every step for the longest allowed context would split
 short contexts into mostly empty pieces.
+
+A graph runs the LoRA kernels of the module groups (q,k,v; o; gate,up; down) its step's adapters adapt, no
+others: adapters of q,k,v,o alone (S-LoRA's S1 and S2) would otherwise launch the MLP's shrink and expand
+on every layer, programs that each find rank 0 and return, at about the cost of the groups doing work.
+Warm-up captures the graphs of every group, compiling every kernel a graph launches; a step whose adapters
+use fewer groups replays a graph of its own groups, captured at its first use without compiling anything.
+
+A graph cannot know which adapters its step carries, so its LoRA kernels launch a segment per token. With
+`few_adapters` set, steps of at most that many distinct adapters replay graphs of their own, whose launches are
+planned for that many busy segments and share the segments out among a few programs, which skip the unused
+ones; the other steps replay graphs planned for every segment (at ~100 adapters in a batch of 256 most
+segments are busy, and that plan is the faster one).
 """
 from __future__ import annotations
 
@@ -18,7 +31,7 @@ import torch
 
 from shared.model_config import MODULES
 
-from .model import ForwardBatch, LlamaModel
+from .model import DOWN, GATE_UP, O, QKV, ForwardBatch, LlamaModel
 from .ops.meta import AttnMeta, LoraBatch, LoraTables
 from .page_table import PageTable
 from .pool import UnifiedPool
@@ -28,25 +41,60 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 RANK_BUCKETS = (16, 64)
 MIN_CONTEXT_BUCKET = 512
 IDS, POS, OUT_SLOT, CTX, ADAPTER, ROW = range(6)
+LORA_GROUPS = (QKV, O, GATE_UP, DOWN)
+ALL_GROUPS = (True,) * len(LORA_GROUPS)
+NO_GROUPS = (False,) * len(LORA_GROUPS)
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= value)
 
 
+def lora_plans(size: int, few_adapters: int) -> tuple[bool, ...]:
+    """The LoRA launch plans a batch bucket replays (True = the few-adapter plan): a bucket of at most
+    `few_adapters` requests never carries more adapters than that."""
+    if not few_adapters:
+        return (False,)
+    return (True,) if size <= few_adapters else (True, False)
+
+
+def step_ranks(adapter_ranks: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The largest rank per module among a step's adapters (zeros for a base-only step)."""
+    return tuple(max(r) for r in zip(*adapter_ranks)) if adapter_ranks else (0,) * len(MODULES)
+
+
+def lora_groups(ranks: tuple[int, ...]) -> tuple[bool, ...]:
+    """Which LoRA module groups a step with these per-module ranks runs (any module of the group adapted)."""
+    return tuple(any(ranks[m] for m in group) for group in LORA_GROUPS)
+
+
+def busy_segments(adapter_ids: list[int | None], size: int) -> int:
+    """Segments carrying tokens in a step of these requests' resident adapter ids (None = base model)
+    padded to `size`: one per adapter and one for base-model requests and padding rows together."""
+    base = len(adapter_ids) < size or None in adapter_ids
+    return len({a for a in adapter_ids if a is not None}) + base
+
+
+GraphKey = tuple[int, int, int, bool, tuple[bool, ...]]  # batch, rank, context, few-adapter plan, LoRA groups
+
+
 def capture_plan(batch_buckets: tuple[int, ...], rank_buckets: tuple[int, ...],
-                 context_buckets: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(batch, rank, context) keys in capture order: the short contexts every request passes through first,
-    within a context the largest batch first (smaller graphs then reuse its memory pool blocks), each batch
-    without LoRA and at every rank bucket."""
-    return [(size, rank, ctx) for ctx in context_buckets for size in reversed(batch_buckets)
-            for rank in (0, *rank_buckets)]
+                 context_buckets: tuple[int, ...], few_adapters: int = 0) -> list[GraphKey]:
+    """Keys of the graphs warm-up captures, in capture order: the short contexts every request passes
+    through first, within a context the largest batch first (smaller graphs then reuse its memory pool
+    blocks), each batch without LoRA and at every rank bucket under each of its LoRA launch plans, with
+    every LoRA group."""
+    return [(size, rank, ctx, few, ALL_GROUPS if rank else NO_GROUPS)
+            for ctx in context_buckets for size in reversed(batch_buckets)
+            for rank in (0, *rank_buckets) for few in ((False,) if not rank else lora_plans(size, few_adapters))]
 
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, pool: UnifiedPool, tables: LoraTables, page_table: PageTable,
-                 max_batch: int, max_rank: int, scratch_slot: int, scratch_row: int):
+                 max_batch: int, max_rank: int, scratch_slot: int, scratch_row: int, few_adapters: int = 0,
+                 segment_programs: int = 32):
         self.model, self.pool, self.tables, self.page_table = model, pool, tables, page_table
+        self.few_adapters, self.segment_programs = few_adapters, segment_programs
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         self.rank_buckets = tuple(r for r in RANK_BUCKETS if r < max_rank) + (max_rank,)
         device = pool.device
@@ -62,7 +110,7 @@ class DecodeGraphs:
         self.q_start = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.slot_table = torch.zeros(size, page_table.max_len, dtype=torch.int32, device=device)
         self.mempool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def supports(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_buckets[-1]
@@ -73,13 +121,19 @@ class DecodeGraphs:
             bucket_len *= 2
         return min(bucket_len, self.page_table.max_len)
 
-    def _batch(self, size: int, rank: int, ctx: int) -> ForwardBatch:
+    def _batch(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]) -> ForwardBatch:
         x = self.inputs[:, :size]
         attn = AttnMeta(q_start=self.q_start[: size + 1], ctx_lens=x[CTX], slot_table=self.slot_table[:size],
                         max_q_len=1, max_ctx_len=ctx, decode_only=True)
         lora = None
         if rank:
-            lora = LoraBatch(tables=self.tables, token_adapter=x[ADAPTER], max_rank=(rank,) * len(MODULES))
+            max_rank = [0] * len(MODULES)
+            for group in (g for g, used in zip(LORA_GROUPS, groups) if used):
+                for m in group:
+                    max_rank[m] = rank
+            lora = LoraBatch(tables=self.tables, token_adapter=x[ADAPTER], max_rank=tuple(max_rank))
+            if few:
+                lora.live_segments, lora.segment_programs = self.few_adapters, self.segment_programs
         return ForwardBatch(input_ids=x[IDS], positions=x[POS], out_slots=x[OUT_SLOT], attn=attn, lora=lora,
                             logits_index=self.q_start[:size])
 
@@ -87,9 +141,10 @@ class DecodeGraphs:
         torch.index_select(self.page_table.table, 0, self.inputs[ROW, :size], out=self.slot_table[:size])
         return self.model.forward(batch, self.pool)
 
-    def _capture(self, size: int, rank: int, ctx: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.inputs[:, :size] = self.padding[:, None].to(self.inputs.device)
-        batch = self._batch(size, rank, ctx)
+        batch = self._batch(size, rank, ctx, few, groups)
         side = torch.cuda.Stream(self.pool.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and autotune outside the capture
@@ -114,7 +169,8 @@ class DecodeGraphs:
         load costs its capture and the kernel compiles of its shapes, about a second each, in a step every
         running request waits for. Returns how many graphs were captured."""
         done = 0
-        for key in capture_plan(self.batch_buckets, self.rank_buckets, self.context_buckets(max_context)):
+        for key in capture_plan(self.batch_buckets, self.rank_buckets, self.context_buckets(max_context),
+                                self.few_adapters):
             if time.monotonic() >= deadline:
                 break
             if key not in self.graphs:
@@ -122,21 +178,30 @@ class DecodeGraphs:
                 done += 1
         return done
 
-    def _graph(self, size: int, rank: int, ctx: int):
-        key = (size, rank, ctx)
+    def _graph(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]):
+        key = (size, rank, ctx, few, groups)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(size, rank, ctx)
+            self.graphs[key] = self._capture(*key)
         return self.graphs[key]
 
-    def run(self, seqs: list[Sequence], max_rank: int, device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    def uses_few_plan(self, seqs: list[Sequence], size: int) -> bool:
+        """Whether a step padded to `size` replays the few-adapter plan."""
+        ids = [s.adapter.resident_id if s.adapter is not None else None for s in seqs]
+        return bool(self.few_adapters) and busy_segments(ids, size) <= self.few_adapters
+
+    def run(self, seqs: list[Sequence], device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> torch.Tensor:
         """Logits `[len(seqs), vocab]` for a decode step (each request has exactly one token to run).
         `device_tokens` = (ids, rows): the step's input tokens are `ids[rows]`, sampled on the device by the
         step before and not yet known to the host (lookahead.py)."""
         n = len(seqs)
         size = bucket(n, self.batch_buckets)
-        rank = bucket(max_rank, self.rank_buckets) if max_rank else 0
-        graph, logits = self._graph(size, rank, self._context_bucket(max(s.num_computed + 1 for s in seqs)))
+        ranks = step_ranks([s.adapter.ranks for s in seqs if s.adapter is not None])
+        rank = bucket(max(ranks), self.rank_buckets) if max(ranks) else 0
+        few = bool(rank) and self.uses_few_plan(seqs, size)
+        groups = lora_groups(ranks) if rank else NO_GROUPS
+        ctx = self._context_bucket(max(s.num_computed + 1 for s in seqs))
+        graph, logits = self._graph(size, rank, ctx, few, groups)
         rows = [[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs], [s.slots[s.num_computed] for s in seqs],
                 [s.num_computed + 1 for s in seqs],
                 [s.adapter.resident_id if s.adapter is not None else -1 for s in seqs], [s.row for s in seqs]]

@@ -98,7 +98,9 @@ class Engine:
         self.page_table.append(scratch_row, 0, [scratch_slot])
         max_batch = min(self.config.cuda_graph_max_batch, self.config.max_running_requests)
         return DecodeGraphs(self.model, self.pool, self.adapters.tables, self.page_table, max_batch,
-                            self.config.max_lora_rank, scratch_slot, scratch_row)
+                            self.config.max_lora_rank, scratch_slot, scratch_row,
+                            few_adapters=self.config.cuda_graph_few_adapters,
+                            segment_programs=self.config.cuda_graph_segment_programs)
 
     def _slots_from_memory(self) -> int:
         if self.device.type != "cuda":
@@ -175,8 +177,7 @@ class Engine:
             self.copier.order_before_compute()
         if self.graphs is not None and self._is_decode(scheduled) and self.graphs.supports(len(scheduled)):
             samplers = [seq for seq, _ in scheduled]
-            max_rank = max((max(s.adapter.ranks) for s in samplers if s.adapter is not None), default=0)
-            logits = self.graphs.run(samplers, max_rank, device_tokens)
+            logits = self.graphs.run(samplers, device_tokens)
             flight.replayed = True
         else:
             batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)

@@ -17,10 +17,11 @@ from .oracle import make_peft_adapter
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-def run(base, adapters, graphs: bool):
+def run(base, adapters, graphs: bool, few_adapters: int = 0):
     engine = Engine.from_model_dir(base, EngineConfig(device="cuda", num_slots=2048, max_lora_rank=32,
                                                       max_resident_adapters=4, cuda_graphs=graphs,
-                                                      cuda_graph_max_batch=8))
+                                                      cuda_graph_max_batch=8, cuda_graph_few_adapters=few_adapters,
+                                                      cuda_graph_segment_programs=2))
     for name, w in adapters.items():
         engine.register_adapter(name, w)
     names = [None, "r4", "r32"]
@@ -38,7 +39,10 @@ def run(base, adapters, graphs: bool):
     return engine, tokens, logits
 
 
-def test_graph_replay_matches_eager(tmp_path):
+# few_adapters 2: batches of the three (base, r4, r32) replay the every-segment plan, smaller ones the
+# few-adapter plan; 4: every LoRA step replays the few-adapter plan, 2 programs sharing 3 busy segments.
+@pytest.mark.parametrize("few_adapters", [0, 2, 4])
+def test_graph_replay_matches_eager(tmp_path, few_adapters):
     base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
     cfg = ModelConfig.from_dir(base)
     adapters = {
@@ -47,8 +51,13 @@ def test_graph_replay_matches_eager(tmp_path):
         "r32": load_adapter(make_peft_adapter(base, tmp_path / "r32", 2, r=32, lora_alpha=16,
                                               target_modules=["k_proj", "gate_proj", "down_proj"]), cfg, 32),
     }
-    graph_engine, tokens, logits = run(base, adapters, graphs=True)
+    graph_engine, tokens, logits = run(base, adapters, graphs=True, few_adapters=few_adapters)
     assert graph_engine.graphs is not None and graph_engine.graphs.graphs, "no decode step was replayed"
+    keys = [key for key in graph_engine.graphs.graphs if key[1]]
+    assert {few for _, _, _, few, _ in keys} == {0: {False}, 2: {False, True}, 4: {True}}[few_adapters]
+    # Steps of r4 (q,v,o) alone run the q,k,v and o groups only; steps with r32 (k, gate, down) more.
+    groups = {g for *_, g in keys}
+    assert (True, True, False, False) in groups and len(groups) > 1
     _, eager_tokens, eager_logits = run(base, adapters, graphs=False)
     assert tokens == eager_tokens
     for rid in tokens:
@@ -63,11 +72,11 @@ def test_warm_up_captures_every_graph_the_traffic_can_use(tmp_path):
     base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
     engine = Engine.from_model_dir(base, EngineConfig(device="cuda", num_slots=4096, max_lora_rank=32,
                                                       cuda_graph_max_batch=8, max_model_len=1500,
-                                                      cuda_graph_max_context=1024))
+                                                      cuda_graph_max_context=1024, cuda_graph_few_adapters=2))
     graphs = engine.graphs
     assert graphs.context_buckets(1024) == (512, 1024)
     assert not graphs.graphs
-    expected = capture_plan(graphs.batch_buckets, graphs.rank_buckets, (512, 1024))
+    expected = capture_plan(graphs.batch_buckets, graphs.rank_buckets, (512, 1024), few_adapters=2)
     assert capture_graphs(engine) == len(expected)
     assert set(graphs.graphs) == set(expected)
     # Nothing is captured twice, and a deadline already past captures nothing more.

@@ -2,19 +2,63 @@
 needs a GPU: tests/gpu_worker/test_cuda_graphs.py)."""
 import pytest
 
-from services.gpu_worker.cuda_graphs import capture_plan
+from services.gpu_worker.cuda_graphs import (ALL_GROUPS, NO_GROUPS, busy_segments, capture_plan, lora_groups,
+                                             lora_plans, step_ranks)
 from shared.config import EngineConfig
 
 
 def test_plan_covers_every_key_once_short_contexts_first_large_batches_first():
     plan = capture_plan((1, 2, 4), (16, 32), (512, 1024))
     assert len(plan) == len(set(plan)) == 3 * 3 * 2
-    assert {ctx for _, _, ctx in plan[:9]} == {512}  # every graph of the shortest contexts comes first
-    assert [size for size, _, _ in plan[:9]] == [4, 4, 4, 2, 2, 2, 1, 1, 1]
-    assert [rank for _, rank, _ in plan[:3]] == [0, 16, 32]
+    assert {ctx for _, _, ctx, _, _ in plan[:9]} == {512}  # every graph of the shortest contexts comes first
+    assert [size for size, _, _, _, _ in plan[:9]] == [4, 4, 4, 2, 2, 2, 1, 1, 1]
+    assert [rank for _, rank, _, _, _ in plan[:3]] == [0, 16, 32]
+    assert not any(few for _, _, _, few, _ in plan), "no few-adapter graphs unless asked for"
+    # Warm-up's LoRA graphs run every module group, so they compile every kernel a narrower graph needs.
+    assert all(groups == (ALL_GROUPS if rank else NO_GROUPS) for _, rank, _, _, groups in plan)
 
 
-@pytest.mark.parametrize("field,value", [("cuda_graph_warmup_s", -1.0), ("cuda_graph_max_context", -5)])
+def test_few_adapter_graphs_are_captured_beside_the_others_where_a_bucket_can_exceed_them():
+    plan = capture_plan((1, 2, 4, 8), (16,), (512,), few_adapters=2)
+    assert lora_plans(2, 2) == (True,) and lora_plans(4, 2) == (True, False) and lora_plans(4, 0) == (False,)
+    # Base-only graphs run no LoRA kernels: one plan. Buckets of <= 2 requests carry <= 2 segments.
+    assert [key[:4] for key in plan] == [(8, 0, 512, False), (8, 16, 512, True), (8, 16, 512, False),
+                                         (4, 0, 512, False), (4, 16, 512, True), (4, 16, 512, False),
+                                         (2, 0, 512, False), (2, 16, 512, True), (1, 0, 512, False),
+                                         (1, 16, 512, True)]
+
+
+@pytest.mark.parametrize("ids,size,busy", [
+    ([3, 3, 5], 4, 3),          # two adapters and the padding row
+    ([3, 3, 5, 5], 4, 2),       # no base-model row at all
+    ([None, 3, None, 7], 4, 3),  # base-model requests count once
+    ([None], 1, 1),
+    (list(range(256)), 256, 256),
+])
+def test_busy_segments_count_each_adapter_and_the_base_model_once(ids, size, busy):
+    assert busy_segments(ids, size) == busy
+
+
+@pytest.mark.parametrize("field,value", [("cuda_graph_warmup_s", -1.0), ("cuda_graph_max_context", -5),
+                                         ("cuda_graph_few_adapters", -1), ("cuda_graph_few_adapters", 2.5),
+                                         ("cuda_graph_segment_programs", -4)])
 def test_graph_warm_up_settings_are_checked(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_few_adapter_graphs_need_programs_to_share_their_segments():
+    with pytest.raises(ValueError, match="cuda_graph_segment_programs"):
+        EngineConfig(cuda_graph_few_adapters=32, cuda_graph_segment_programs=0)
+    assert EngineConfig(cuda_graph_few_adapters=0, cuda_graph_segment_programs=0).cuda_graph_few_adapters == 0
+
+
+def test_a_step_runs_the_lora_groups_its_adapters_adapt():
+    qkvo = (8, 8, 8, 8, 0, 0, 0)  # S1/S2 adapters: attention only
+    mlp_down = (0, 0, 0, 0, 0, 0, 16)
+    assert step_ranks([]) == (0,) * 7
+    assert step_ranks([qkvo, mlp_down, (4, 0, 32, 0, 0, 0, 0)]) == (8, 8, 32, 8, 0, 0, 16)
+    assert lora_groups(step_ranks([qkvo])) == (True, True, False, False)  # q,k,v and o; no gate,up or down
+    assert lora_groups((0, 0, 4, 0, 0, 0, 0)) == (True, False, False, False)  # v alone runs the q,k,v group
+    assert lora_groups(step_ranks([qkvo, mlp_down])) == (True, True, False, True)
+    assert lora_groups((1,) * 7) == ALL_GROUPS and lora_groups((0,) * 7) == NO_GROUPS

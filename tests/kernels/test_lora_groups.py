@@ -1,6 +1,7 @@
 """Grouping a step's tokens by adapter on the device (segment form at decode)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.gpu_worker.kernels import group_tokens_by_adapter
@@ -55,23 +56,27 @@ def test_an_exact_distinct_count_launches_only_the_segments_in_use():
     assert segments(exact) == [s for s in segments(bounded) if s[2] > s[1]], "the same runs, none empty"
 
 
-def test_a_step_whose_adapters_the_host_does_not_know_is_planned_for_a_few_live_segments():
+@pytest.mark.parametrize("live,programs", [(None, 0), (32, 32), (16, 0)])
+def test_a_graph_step_launches_a_segment_per_token_under_its_plan(live, programs):
     from services.gpu_worker.ops.meta import LoraBatch, LoraTables
-    from services.gpu_worker.ops.triton_backend import GRAPH_LIVE_SEGMENTS, GRAPH_SEGMENT_PROGRAMS, prepare_lora
+    from services.gpu_worker.ops.triton_backend import prepare_lora
 
     rows = torch.zeros(4096, 7, dtype=torch.int32)
     tables = LoraTables(slots=torch.zeros(4096, 8, dtype=torch.int32), ranks=rows, a_off=rows, b_off=rows)
     token_adapter = torch.tensor([3, 3, -1, 0] * 64, dtype=torch.int32)
-    graph = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(64,) * 7)  # as a decode graph builds it
+    graph = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(64,) * 7,  # as a decode graph builds it
+                      live_segments=live, segment_programs=programs)
     prepare_lora(graph)
     assert graph.kernel_args["seg_adapter"].shape[0] == 256  # one segment per token
-    assert graph.kernel_args["live_segments"] == GRAPH_LIVE_SEGMENTS < 256
+    assert graph.kernel_args["live_segments"] == live
     # The count of segments in use is made only when the graph's launches share segments out.
-    assert graph.kernel_args["segment_programs"] == GRAPH_SEGMENT_PROGRAMS
-    assert ("num_live" in graph.kernel_args) == (GRAPH_SEGMENT_PROGRAMS > 0)
+    assert graph.kernel_args["segment_programs"] == programs
+    assert ("num_live" in graph.kernel_args) == (programs > 0)
+    if programs:
+        assert graph.kernel_args["num_live"].tolist() == [3]
     eager = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(64,) * 7, max_seg_len=128,
-                      num_segments=3)
-    prepare_lora(eager)
+                      num_segments=3, live_segments=live, segment_programs=programs)
+    prepare_lora(eager)  # the host knows the step's segments: the graph plan does not apply
     assert eager.kernel_args["seg_adapter"].shape[0] == 3 and eager.kernel_args["live_segments"] is None
     assert eager.kernel_args["segment_programs"] == 0 and "num_live" not in eager.kernel_args
 
