@@ -164,8 +164,9 @@ class DecodeGraphs:
         return tuple(out)
 
     def capture_all(self, max_context: int, deadline: float) -> int:
-        """Capture the graphs of every (batch, rank, context) bucket for contexts up to `max_context` before
-        traffic, as far as `deadline` allows (the rest are captured on first use). A graph first seen under
+        """Capture the graphs of `capture_plan` (every batch, rank and context bucket, each LoRA launch plan) for
+        contexts up to `max_context` before traffic, as far as `deadline` allows (the rest are captured on
+        first use). A graph first seen under
         load costs its capture and the kernel compiles of its shapes, about a second each, in a step every
         running request waits for. Returns how many graphs were captured."""
         done = 0
