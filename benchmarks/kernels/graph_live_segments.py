@@ -4,7 +4,9 @@ fewer programs (the engine's cuda_graph_few_adapters and cuda_graph_segment_prog
 the plan for all of them and the plan of an eager step that knows the exact distinct count (PLANS).
 
 Each row is one (group, batch, adapters in the batch, plan): microseconds per layer call of shrink (with its
-split-K finalize) and expand, times captured in CUDA graphs that cycle over several layers' buffers.
+split-K finalize) and expand, times captured in CUDA graphs that cycle over several layers' buffers, and
+how far the plan's LoRA output lies from the exact plan's (an eager step's launch, which the kernel tests
+check against the reference): a plan only reshapes the launch, so a gap beyond bf16 rounding fails the run.
 
     python -m benchmarks.kernels.graph_live_segments --out graph_live_segments.json
     python -m benchmarks.kernels.graph_live_segments --smoke --out /tmp/x.json   # CPU interpreter
@@ -31,6 +33,9 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # "pN" shares the segments out among N programs (no empty ones for unused segments). "exact live 16"
 # launches the exact segments with the 16-segment plan's shapes: "bound live 16" minus it is what the
 # graph's empty segment programs cost.
+# Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
+# the inputs in other splits and orders, so bf16 results differ by rounding only.
+RESULT_TOLERANCE = 2e-2
 PLANS = ("bound", "bound live 4", "bound live 8", "bound live 16", "bound live 32", "bound live 64",
          "bound live 16 m64", "bound live 16 p16", "bound live 16 p32", "bound live 16 p64", "bound live 32 p32",
          "exact live 16", "exact")
@@ -83,7 +88,7 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     max_rank = 64  # a decode graph's rank bucket for mixed ranks up to 64
     bound = kernels.group_tokens_by_adapter(token_adapter, count_live=True)  # a segment per token, as in a graph
     exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct, count_live=True)
-    rows = []
+    rows, deltas = [], {}
     for text in plans:
         plan = Plan.parse(text)
         groups = exact if plan.exact else bound
@@ -112,6 +117,12 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
                 kernels.lora_expand(y["y"], pool.v(layer), token_adapter, pool.tables, modules, out, out_dims,
                                     config=cfg_e, **hints)
 
+        # One layer's LoRA output under this plan, for the comparison across plans.
+        y0 = kernels.lora_shrink(x, pool.k(0), token_adapter, pool.tables, modules, max_rank, config=cfg_s, **hints)
+        checked = out.clone()
+        kernels.lora_expand(y0, pool.v(0), token_adapter, pool.tables, modules, checked, out_dims, config=cfg_e,
+                            **hints)
+        deltas[text] = checked.float() - out.float()
         shrink()
         row = {"model": model, "group": group, "batch": batch, "distinct_adapters": distinct, "plan": text,
                "segments": segments, "n_split": cfg_s.n_split, "block_m": cfg_s.block_m,
@@ -120,6 +131,10 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
                "adapter_bytes": pool.adapter_bytes(token_adapter, fan_in, out_dims)}
         row["both_us"] = row["shrink_us"] + row["expand_us"]
         rows.append(row)
+    reference = deltas.get("exact", deltas[plans[-1]])
+    scale = reference.abs().max().item() or 1.0
+    for row in rows:
+        row["max_rel_diff_vs_exact"] = (deltas[row["plan"]] - reference).abs().max().item() / scale
     return rows
 
 
@@ -171,6 +186,10 @@ def main() -> None:
                 print(f"{group} batch {batch} adapters {d}: "
                       + ", ".join(f"{r['plan']} {r['both_us']:.1f}" for r in rows[-len(plans):])
                       + f" µs (best {best['plan']})", file=sys.stderr, flush=True)
+    wrong = [r for r in rows if not r["max_rel_diff_vs_exact"] <= RESULT_TOLERANCE]
+    for r in wrong:
+        print(f"RESULT MISMATCH: {r['group']} batch {r['batch']} adapters {r['distinct_adapters']} plan {r['plan']}: "
+              f"{r['max_rel_diff_vs_exact']:.3g} of the output's magnitude from the exact plan", file=sys.stderr)
     ranked = rank_graph_plans(rows)
     for x in ranked[:5]:
         print(f"graph plan {x['plan']}: {x['mean_over_best']:.3f} x the best on average, "
@@ -178,6 +197,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                    "torch": torch.__version__, "rows": rows, "graph_plans": ranked}, f, indent=1)
+    if wrong:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
