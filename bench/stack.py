@@ -156,6 +156,9 @@ class Stack:
         """The `--set` flags of this system and policy."""
         c = self.config
         items = list(POLICIES[c.policy])
+        # The setting's adapters adapt these modules: decode graphs captured before traffic run their LoRA
+        # groups alone, so no graph is captured in a measured window.
+        items.append(f"worker.cuda_graph_lora_targets={','.join(c.setting.targets)}")
         if c.system in LORA_MODES:
             items.append(f"worker.lora_mode={LORA_MODES[c.system]}")
         if c.system == "no-unify":

@@ -5,6 +5,8 @@ import argparse
 import dataclasses
 from dataclasses import MISSING, dataclass, field, fields
 
+from .model_config import MODULES
+
 
 def doc_field(text: str, default):
     """A config field whose doc string becomes its `--help` text."""
@@ -50,6 +52,10 @@ class EngineConfig:
                                       "rest are captured on first use; 0 = all on first use", 120.0)
     cuda_graph_max_context: int = _doc("longest context whose decode graphs are captured before ready (0 = "
                                        "max_model_len)", 2048)
+    cuda_graph_lora_targets: str = _doc("modules the served adapters adapt, comma-separated (e.g. q_proj,k_proj,"
+                                        "v_proj,o_proj): warm-up captures decode graphs running those modules' "
+                                        "LoRA groups only; a step whose adapters adapt others has its graphs "
+                                        "captured at first use; empty = every module", "")
     cuda_graph_few_adapters: int = _doc("decode steps carrying at most this many distinct adapters replay graphs of "
                                         "their own, whose LoRA launches are planned for that many busy segments "
                                         "and share them out among cuda_graph_segment_programs programs (a graph "
@@ -80,6 +86,10 @@ class EngineConfig:
                              f"less than num_slots ({self.num_slots})")
         if isinstance(self.admission_batch, bool) or not isinstance(self.admission_batch, int) or self.admission_batch < 1:
             raise ValueError(f"admission_batch must be an integer >= 1 (1 = admit at every step), got {self.admission_batch!r}")
+        unknown = [m for m in self.graph_lora_targets() if m not in MODULES]
+        if unknown:
+            raise ValueError(f"cuda_graph_lora_targets: unknown module(s) {', '.join(unknown)}; adaptable modules "
+                             f"are {', '.join(MODULES)}")
         for name in ("cuda_graph_few_adapters", "cuda_graph_segment_programs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -90,6 +100,14 @@ class EngineConfig:
         if not self.cuda_graph_warmup_s >= 0 or self.cuda_graph_max_context < 0:
             raise ValueError("cuda_graph_warmup_s and cuda_graph_max_context must be >= 0, got "
                              f"{self.cuda_graph_warmup_s!r} and {self.cuda_graph_max_context!r}")
+
+    def graph_lora_targets(self) -> tuple[str, ...]:
+        """The modules of cuda_graph_lora_targets (every module when it is empty)."""
+        if not isinstance(self.cuda_graph_lora_targets, str):
+            raise ValueError(f"cuda_graph_lora_targets must be a comma-separated string of module names, got "
+                             f"{self.cuda_graph_lora_targets!r}")
+        names = tuple(m.strip() for m in self.cuda_graph_lora_targets.split(",") if m.strip())
+        return names or MODULES
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

@@ -14,8 +14,9 @@ short contexts into mostly empty pieces.
 A graph runs the LoRA kernels of the module groups (q,k,v; o; gate,up; down) its step's adapters adapt, no
 others: adapters of q,k,v,o alone (S-LoRA's S1 and S2) would otherwise launch the MLP's shrink and expand
 on every layer, programs that each find rank 0 and return, at about the cost of the groups doing work.
-Warm-up captures the graphs of every group, compiling every kernel a graph launches; a step whose adapters
-use fewer groups replays a graph of its own groups, captured at its first use without compiling anything.
+Warm-up captures the graphs of the groups the served adapters adapt (cuda_graph_lora_targets; every group
+when unset, which compiles every kernel a graph launches); a step whose adapters use other groups replays a
+graph of its own groups, captured at its first use.
 
 A graph cannot know which adapters its step carries, so its LoRA kernels launch a segment per token. With
 `few_adapters` set, steps of at most that many distinct adapters replay graphs of their own, whose launches are
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-from shared.model_config import MODULES
+from shared.model_config import MODULE_INDEX, MODULES
 
 from .model import DOWN, GATE_UP, O, QKV, ForwardBatch, LlamaModel
 from .ops.meta import AttnMeta, LoraBatch, LoraTables
@@ -68,6 +69,11 @@ def lora_groups(ranks: tuple[int, ...]) -> tuple[bool, ...]:
     return tuple(any(ranks[m] for m in group) for group in LORA_GROUPS)
 
 
+def groups_of_modules(names: tuple[str, ...]) -> tuple[bool, ...]:
+    """The LoRA groups that adapters of these modules run."""
+    return lora_groups(tuple(int(m in names) for m in MODULES))
+
+
 def busy_segments(adapter_ids: list[int | None], size: int) -> int:
     """Segments carrying tokens in a step of these requests' resident adapter ids (None = base model)
     padded to `size`: one per adapter and one for base-model requests and padding rows together."""
@@ -79,12 +85,13 @@ GraphKey = tuple[int, int, int, bool, tuple[bool, ...]]  # batch, rank, context,
 
 
 def capture_plan(batch_buckets: tuple[int, ...], rank_buckets: tuple[int, ...],
-                 context_buckets: tuple[int, ...], few_adapters: int = 0) -> list[GraphKey]:
+                 context_buckets: tuple[int, ...], few_adapters: int = 0,
+                 groups: tuple[bool, ...] = ALL_GROUPS) -> list[GraphKey]:
     """Keys of the graphs warm-up captures, in capture order: the short contexts every request passes
     through first, within a context the largest batch first (smaller graphs then reuse its memory pool
-    blocks), each batch without LoRA and at every rank bucket under each of its LoRA launch plans, with
-    every LoRA group."""
-    return [(size, rank, ctx, few, ALL_GROUPS if rank else NO_GROUPS)
+    blocks), each batch without LoRA and at every rank bucket under each of its LoRA launch plans, running
+    the LoRA `groups`."""
+    return [(size, rank, ctx, few, groups if rank else NO_GROUPS)
             for ctx in context_buckets for size in reversed(batch_buckets)
             for rank in (0, *rank_buckets) for few in ((False,) if not rank else lora_plans(size, few_adapters))]
 
@@ -92,9 +99,9 @@ def capture_plan(batch_buckets: tuple[int, ...], rank_buckets: tuple[int, ...],
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, pool: UnifiedPool, tables: LoraTables, page_table: PageTable,
                  max_batch: int, max_rank: int, scratch_slot: int, scratch_row: int, few_adapters: int = 0,
-                 segment_programs: int = 32):
+                 segment_programs: int = 32, warm_groups: tuple[bool, ...] = ALL_GROUPS):
         self.model, self.pool, self.tables, self.page_table = model, pool, tables, page_table
-        self.few_adapters, self.segment_programs = few_adapters, segment_programs
+        self.few_adapters, self.segment_programs, self.warm_groups = few_adapters, segment_programs, warm_groups
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         self.rank_buckets = tuple(r for r in RANK_BUCKETS if r < max_rank) + (max_rank,)
         device = pool.device
@@ -171,7 +178,7 @@ class DecodeGraphs:
         running request waits for. Returns how many graphs were captured."""
         done = 0
         for key in capture_plan(self.batch_buckets, self.rank_buckets, self.context_buckets(max_context),
-                                self.few_adapters):
+                                self.few_adapters, self.warm_groups):
             if time.monotonic() >= deadline:
                 break
             if key not in self.graphs:

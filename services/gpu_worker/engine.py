@@ -21,7 +21,7 @@ from shared.model_config import ModelConfig
 from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, groups_of_modules
 from .lookahead import PENDING_TOKEN, lookahead_rows
 from .merge_mode import MergeMode
 from .model import LlamaModel
@@ -100,7 +100,8 @@ class Engine:
         return DecodeGraphs(self.model, self.pool, self.adapters.tables, self.page_table, max_batch,
                             self.config.max_lora_rank, scratch_slot, scratch_row,
                             few_adapters=self.config.cuda_graph_few_adapters,
-                            segment_programs=self.config.cuda_graph_segment_programs)
+                            segment_programs=self.config.cuda_graph_segment_programs,
+                            warm_groups=groups_of_modules(self.config.graph_lora_targets()))
 
     def _slots_from_memory(self) -> int:
         if self.device.type != "cuda":

@@ -112,6 +112,9 @@ def test_system_flags(population, tmp_path):
     # largest rank, not every resident row the engine could keep (4096 of those would outgrow the pool).
     assert no_unify_slots(get_setting("S2")) == 256 * adapter_slots(get_setting("S2"), 64) == 65536
     assert "scheduler.first_token_slo_s=6" in flags("loraplex", policy="early-abort")
+    # Warm-up's decode graphs run the LoRA groups of the setting's target modules.
+    assert f"worker.cuda_graph_lora_targets={','.join(TINY.targets)}" in flags("loraplex")
+    assert all(m in ("q_proj", "k_proj", "v_proj", "o_proj") for m in TINY.targets)
 
 
 def test_peft_stack_serves_exactly_its_adapters_from_a_view(population, tmp_path):

@@ -72,11 +72,13 @@ def test_warm_up_captures_every_graph_the_traffic_can_use(tmp_path):
     base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
     engine = Engine.from_model_dir(base, EngineConfig(device="cuda", num_slots=4096, max_lora_rank=32,
                                                       cuda_graph_max_batch=8, max_model_len=1500,
-                                                      cuda_graph_max_context=1024, cuda_graph_few_adapters=2))
+                                                      cuda_graph_max_context=1024, cuda_graph_few_adapters=2,
+                                                      cuda_graph_lora_targets="q_proj,v_proj,o_proj"))
     graphs = engine.graphs
     assert graphs.context_buckets(1024) == (512, 1024)
     assert not graphs.graphs
-    expected = capture_plan(graphs.batch_buckets, graphs.rank_buckets, (512, 1024), few_adapters=2)
+    expected = capture_plan(graphs.batch_buckets, graphs.rank_buckets, (512, 1024), few_adapters=2,
+                            groups=(True, True, False, False))
     assert capture_graphs(engine) == len(expected)
     assert set(graphs.graphs) == set(expected)
     # Nothing is captured twice, and a deadline already past captures nothing more.

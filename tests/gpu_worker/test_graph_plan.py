@@ -2,8 +2,8 @@
 needs a GPU: tests/gpu_worker/test_cuda_graphs.py)."""
 import pytest
 
-from services.gpu_worker.cuda_graphs import (ALL_GROUPS, NO_GROUPS, busy_segments, capture_plan, lora_groups,
-                                             lora_plans, step_ranks)
+from services.gpu_worker.cuda_graphs import (ALL_GROUPS, NO_GROUPS, busy_segments, capture_plan,
+                                             groups_of_modules, lora_groups, lora_plans, step_ranks)
 from shared.config import EngineConfig
 
 
@@ -62,3 +62,20 @@ def test_a_step_runs_the_lora_groups_its_adapters_adapt():
     assert lora_groups((0, 0, 4, 0, 0, 0, 0)) == (True, False, False, False)  # v alone runs the q,k,v group
     assert lora_groups(step_ranks([qkvo, mlp_down])) == (True, True, False, True)
     assert lora_groups((1,) * 7) == ALL_GROUPS and lora_groups((0,) * 7) == NO_GROUPS
+
+
+def test_warm_up_captures_the_groups_of_the_modules_served_adapters_adapt():
+    attention = EngineConfig(cuda_graph_lora_targets="q_proj, k_proj,v_proj,o_proj").graph_lora_targets()
+    assert attention == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert groups_of_modules(attention) == (True, True, False, False)
+    assert groups_of_modules(("q_proj", "v_proj")) == (True, False, False, False)  # PEFT's default targets
+    assert groups_of_modules(EngineConfig().graph_lora_targets()) == ALL_GROUPS  # unset: every module
+    plan = capture_plan((1, 2), (16,), (512,), groups=(True, True, False, False))
+    assert plan == [(2, 0, 512, False, NO_GROUPS), (2, 16, 512, False, (True, True, False, False)),
+                    (1, 0, 512, False, NO_GROUPS), (1, 16, 512, False, (True, True, False, False))]
+
+
+@pytest.mark.parametrize("value", ["q_proj,lm_head", "qproj", 7])
+def test_graph_lora_targets_name_adaptable_modules(value):
+    with pytest.raises(ValueError, match="cuda_graph_lora_targets"):
+        EngineConfig(cuda_graph_lora_targets=value)
