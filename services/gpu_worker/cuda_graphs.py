@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from shared.model_config import MODULE_INDEX, MODULES
+from shared.model_config import MODULES
 
 from .model import DOWN, GATE_UP, O, QKV, ForwardBatch, LlamaModel
 from .ops.meta import AttnMeta, LoraBatch, LoraTables
@@ -45,6 +45,7 @@ IDS, POS, OUT_SLOT, CTX, ADAPTER, ROW = range(6)
 LORA_GROUPS = (QKV, O, GATE_UP, DOWN)
 ALL_GROUPS = (True,) * len(LORA_GROUPS)
 NO_GROUPS = (False,) * len(LORA_GROUPS)
+GROUP_OF_MODULE = tuple(next(i for i, g in enumerate(LORA_GROUPS) if m in g) for m in range(len(MODULES)))
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
@@ -67,6 +68,11 @@ def step_ranks(adapter_ranks: list[tuple[int, ...]]) -> tuple[int, ...]:
 def lora_groups(ranks: tuple[int, ...]) -> tuple[bool, ...]:
     """Which LoRA module groups a step with these per-module ranks runs (any module of the group adapted)."""
     return tuple(any(ranks[m] for m in group) for group in LORA_GROUPS)
+
+
+def group_ranks(rank: int, groups: tuple[bool, ...]) -> tuple[int, ...]:
+    """Per-module ranks of a graph of rank bucket `rank` running the LoRA `groups` (0 skips a module)."""
+    return tuple(rank if groups[GROUP_OF_MODULE[m]] else 0 for m in range(len(MODULES)))
 
 
 def groups_of_modules(names: tuple[str, ...]) -> tuple[bool, ...]:
@@ -134,11 +140,7 @@ class DecodeGraphs:
                         max_q_len=1, max_ctx_len=ctx, decode_only=True)
         lora = None
         if rank:
-            max_rank = [0] * len(MODULES)
-            for group in (g for g, used in zip(LORA_GROUPS, groups) if used):
-                for m in group:
-                    max_rank[m] = rank
-            lora = LoraBatch(tables=self.tables, token_adapter=x[ADAPTER], max_rank=tuple(max_rank))
+            lora = LoraBatch(tables=self.tables, token_adapter=x[ADAPTER], max_rank=group_ranks(rank, groups))
             if few:
                 lora.live_segments, lora.segment_programs = self.few_adapters, self.segment_programs
         return ForwardBatch(input_ids=x[IDS], positions=x[POS], out_slots=x[OUT_SLOT], attn=attn, lora=lora,
@@ -192,11 +194,6 @@ class DecodeGraphs:
             self.graphs[key] = self._capture(*key)
         return self.graphs[key]
 
-    def uses_few_plan(self, seqs: list[Sequence], size: int) -> bool:
-        """Whether a step padded to `size` replays the few-adapter plan."""
-        ids = [s.adapter.resident_id if s.adapter is not None else None for s in seqs]
-        return bool(self.few_adapters) and busy_segments(ids, size) <= self.few_adapters
-
     def run(self, seqs: list[Sequence], device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> torch.Tensor:
         """Logits `[len(seqs), vocab]` for a decode step (each request has exactly one token to run).
@@ -204,15 +201,17 @@ class DecodeGraphs:
         step before and not yet known to the host (lookahead.py)."""
         n = len(seqs)
         size = bucket(n, self.batch_buckets)
+        adapter_ids = [s.adapter.resident_id if s.adapter is not None else None for s in seqs]
         ranks = step_ranks([s.adapter.ranks for s in seqs if s.adapter is not None])
-        rank = bucket(max(ranks), self.rank_buckets) if max(ranks) else 0
-        few = bool(rank) and self.uses_few_plan(seqs, size)
+        top = max(ranks)
+        rank = bucket(top, self.rank_buckets) if top else 0
+        few = bool(rank and self.few_adapters) and busy_segments(adapter_ids, size) <= self.few_adapters
         groups = lora_groups(ranks) if rank else NO_GROUPS
         ctx = self._context_bucket(max(s.num_computed + 1 for s in seqs))
         graph, logits = self._graph(size, rank, ctx, few, groups)
         rows = [[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs], [s.slots[s.num_computed] for s in seqs],
-                [s.num_computed + 1 for s in seqs],
-                [s.adapter.resident_id if s.adapter is not None else -1 for s in seqs], [s.row for s in seqs]]
+                [s.num_computed + 1 for s in seqs], [-1 if a is None else a for a in adapter_ids],
+                [s.row for s in seqs]]
         host, done = self.staging[self.turn], self.staged[self.turn]
         if done is not None:
             done.synchronize()

@@ -2,7 +2,7 @@
 needs a GPU: tests/gpu_worker/test_cuda_graphs.py)."""
 import pytest
 
-from services.gpu_worker.cuda_graphs import (ALL_GROUPS, NO_GROUPS, busy_segments, capture_plan,
+from services.gpu_worker.cuda_graphs import (ALL_GROUPS, NO_GROUPS, busy_segments, capture_plan, group_ranks,
                                              groups_of_modules, lora_groups, lora_plans, step_ranks)
 from shared.config import EngineConfig
 
@@ -62,6 +62,10 @@ def test_a_step_runs_the_lora_groups_its_adapters_adapt():
     assert lora_groups((0, 0, 4, 0, 0, 0, 0)) == (True, False, False, False)  # v alone runs the q,k,v group
     assert lora_groups(step_ranks([qkvo, mlp_down])) == (True, True, False, True)
     assert lora_groups((1,) * 7) == ALL_GROUPS and lora_groups((0,) * 7) == NO_GROUPS
+    # A graph's per-module ranks: its bucket on the modules of its groups, 0 (not launched) elsewhere.
+    assert group_ranks(64, (True, True, False, False)) == (64, 64, 64, 64, 0, 0, 0)
+    assert group_ranks(16, (False, False, True, True)) == (0, 0, 0, 0, 16, 16, 16)
+    assert lora_groups(group_ranks(16, (True, False, False, True))) == (True, False, False, True)
 
 
 def test_warm_up_captures_the_groups_of_the_modules_served_adapters_adapt():
