@@ -1,0 +1,96 @@
+"""Which decode graph each step replays, decided on the host: batch bucket, rank bucket, LoRA launch plan and
+the LoRA groups its adapters adapt. Runs on the CPU with CUDA's graph API stood in for (capture runs the
+forward once, replay does nothing), so the tokens are not checked here; graph replay against eager steps on
+a GPU is tests/gpu_worker/test_cuda_graphs.py."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.requests import EngineRequest
+from services.gpu_worker.sampling import SamplingParams
+from shared.adapter_format import load_adapter
+from shared.config import EngineConfig
+from shared.model_config import ModelConfig
+from shared.tiny_model import make_model
+
+from .oracle import make_peft_adapter
+
+
+class _Stream:
+    def __init__(self, *args):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+
+class _Event:
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Graph:
+    def replay(self):
+        pass
+
+
+@pytest.fixture
+def cuda_graph_api(monkeypatch):
+    """The CUDA graph, stream and pinned-memory calls DecodeGraphs makes, as no-ops on the CPU."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+
+
+@pytest.mark.parametrize("few_adapters", [0, 2, 4])
+def test_each_step_replays_the_graph_of_its_adapters_groups_and_plan(tmp_path, cuda_graph_api, few_adapters):
+    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
+    cfg = ModelConfig.from_dir(base)
+    adapters = {  # q,v,o: the q,k,v and o groups; k, gate, down: q,k,v, gate,up and down
+        "attn": load_adapter(make_peft_adapter(base, tmp_path / "attn", 1, r=4, lora_alpha=8,
+                                               target_modules=["q_proj", "v_proj", "o_proj"]), cfg, 32),
+        "mlp": load_adapter(make_peft_adapter(base, tmp_path / "mlp", 2, r=32, lora_alpha=16,
+                                              target_modules=["k_proj", "gate_proj", "down_proj"]), cfg, 32),
+    }
+    engine = Engine.from_model_dir(base, EngineConfig(device="cpu", num_slots=2048, max_lora_rank=32,
+                                                      max_resident_adapters=4, cuda_graph_max_batch=8,
+                                                      cuda_graph_few_adapters=few_adapters,
+                                                      cuda_graph_segment_programs=2))
+    engine.graphs = engine._decode_graphs()  # as a CUDA engine builds them
+    for name, w in adapters.items():
+        engine.register_adapter(name, w)
+    # Each request runs longer than the one before: the mlp adapter's last request ends before the
+    # attention adapter's, which then decodes beside a base-model one.
+    names = [None, "mlp", "attn", None, "mlp", None, "attn"]
+    for i, name in enumerate(names):
+        engine.add_request(EngineRequest(f"q{i}", [3 + i, 5, 7], SamplingParams(max_tokens=2 + 2 * i, ignore_eos=True),
+                                         name))
+    while engine.has_unfinished():
+        engine.step()
+    keys = set(engine.graphs.graphs)
+    assert keys, "no decode step was replayed"
+    attn_only, every_group = (True, True, False, False), (True, True, True, True)
+    # Batches holding the mlp adapter run its groups as well; once it has finished, the attention groups alone.
+    assert {k[4] for k in keys if k[1]} == {attn_only, every_group}
+    # Rank buckets follow the batch's largest rank: 16 for the rank-4 adapter alone, 32 with the rank-32 one.
+    assert {(k[1], k[4]) for k in keys if k[1]} == {(16, attn_only), (32, every_group)}
+    # The few-adapter plan: never without it; with 2, only batches of at most 2 busy segments (a bucket of
+    # <= 2 requests, or the attention adapter with the base model); with 4, every LoRA step.
+    plans = {k[3] for k in keys if k[1]}
+    assert plans == {0: {False}, 2: {True, False}, 4: {True}}[few_adapters]
+    if few_adapters == 2:
+        assert all(few == (size <= 2 or groups == attn_only) for size, rank, _, few, groups in keys if rank)
+    # Base-only steps replay graphs without LoRA.
+    assert all(k[4] == (False,) * 4 for k in keys if not k[1])
