@@ -33,12 +33,18 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # "pN" shares the segments out among N programs (no empty ones for unused segments). "exact live 16"
 # launches the exact segments with the 16-segment plan's shapes: "bound live 16" minus it is what the
 # graph's empty segment programs cost.
+# Expand's launch shape can be changed on its own (shrink keeps its choice): "nN" N-column tiles, "rN" N rank rows
+# a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles walked by one program.
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
 # the inputs in other splits and orders, so bf16 results differ by rounding only.
 RESULT_TOLERANCE = 2e-2
 PLANS = ("bound", "bound live 4", "bound live 8", "bound live 16", "bound live 32", "bound live 64",
          "bound live 16 m64", "bound live 16 p16", "bound live 16 p32", "bound live 16 p64", "bound live 32 p32",
          "exact live 16", "exact")
+# Expand's launch shapes tried against the default choice (--plans expand).
+EXPAND_PLANS = ("bound", "bound t1", "bound r16", "bound s1", "bound r16 s1", "bound t4", "bound t1 r16",
+                "bound t1 s1", "bound live 32 p32", "bound live 32 p32 t2", "exact t2", "exact")
+EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +53,7 @@ class Plan:
     live: int | None = None
     block_m: int | None = None
     programs: int = 0
+    expand: tuple = ()  # (ExpandConfig field, value) pairs
 
     @classmethod
     def parse(cls, text: str) -> "Plan":
@@ -62,6 +69,8 @@ class Plan:
                 fields["block_m"] = int(word[1:])
             elif word.startswith("p"):
                 fields["programs"] = int(word[1:])
+            elif word[:1] in EXPAND_WORDS and word[1:].isdigit():
+                fields["expand"] = fields.get("expand", ()) + ((EXPAND_WORDS[word[0]], int(word[1:])),)
             else:
                 raise ValueError(f"plan {text!r}: unknown word {word!r}")
         return cls(**fields)
@@ -98,13 +107,17 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
         segments = groups.seg_adapter.shape[0]
         # "exact live N" keeps the bound's launch shapes (split, tiles), only without its empty segments.
         planned_for = bound.seg_adapter.shape[0] if plan.exact and plan.live else segments
-        cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, None,
+        # An eager step knows its longest segment; a graph's launch does not.
+        longest = int(torch.bincount(token_adapter.long()).max()) if plan.exact else None
+        cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, longest,
                                      planned_for, plan.live, plan.programs)
-        cfg_e = choose_expand_config(batch, len(modules), out_dims, pool.width, max_rank, x.device, True, None,
+        cfg_e = choose_expand_config(batch, len(modules), out_dims, pool.width, max_rank, x.device, True, longest,
                                      planned_for, plan.live, plan.programs)
         if plan.block_m:
             cfg_s = dataclasses.replace(cfg_s, block_m=plan.block_m)
             cfg_e = dataclasses.replace(cfg_e, block_m=plan.block_m)
+        if plan.expand:
+            cfg_e = dataclasses.replace(cfg_e, **dict(plan.expand))
         y = {}
 
         def shrink():
@@ -117,16 +130,18 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
                 kernels.lora_expand(y["y"], pool.v(layer), token_adapter, pool.tables, modules, out, out_dims,
                                     config=cfg_e, **hints)
 
-        # One layer's LoRA output under this plan, for the comparison across plans.
+        # One layer's LoRA output under this plan, for the comparison across plans: added to zeros, not to `out`,
+        # which the timed replays keep adding to (its growing magnitude would swamp the LoRA term in bf16); an
+        # output row a plan leaves unwritten stays 0 and shows against the exact plan's.
         y0 = kernels.lora_shrink(x, pool.k(0), token_adapter, pool.tables, modules, max_rank, config=cfg_s, **hints)
-        checked = out.clone()
+        checked = torch.zeros_like(out)
         kernels.lora_expand(y0, pool.v(0), token_adapter, pool.tables, modules, checked, out_dims, config=cfg_e,
                             **hints)
-        deltas[text] = checked.float() - out.float()
+        deltas[text] = checked.float()
         shrink()
         row = {"model": model, "group": group, "batch": batch, "distinct_adapters": distinct, "plan": text,
                "segments": segments, "n_split": cfg_s.n_split, "block_m": cfg_s.block_m,
-               "expand_block_n": cfg_e.block_n, "segment_programs": plan.programs,
+               "expand_block_n": cfg_e.block_n, "segment_programs": plan.programs, "expand": dataclasses.asdict(cfg_e),
                "shrink_us": time_graph(shrink) / num_layers * 1e3, "expand_us": time_graph(expand) / num_layers * 1e3,
                "adapter_bytes": pool.adapter_bytes(token_adapter, fan_in, out_dims)}
         row["both_us"] = row["shrink_us"] + row["expand_us"]
@@ -165,12 +180,16 @@ def main() -> None:
     ap.add_argument("--groups", default="qkv,o")
     ap.add_argument("--batches", default="256")
     ap.add_argument("--distinct", default="1,5,25,100,256")
+    ap.add_argument("--plans", choices=("graph", "expand"), default="graph",
+                    help="graph: the decode graphs' segment plans; expand: expand's launch shapes")
     args = ap.parse_args()
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
-        plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "exact live 16", "exact")
+        plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound n16 t2 w2", "exact live 16",
+                 "exact")
     else:
-        model, device, dtype, layers, plans = args.model, "cuda", torch.bfloat16, 8, PLANS
+        model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
+        plans = PLANS if args.plans == "graph" else EXPAND_PLANS
         groups = args.groups.split(",")
         batches = [int(b) for b in args.batches.split(",")]
         distinct = [int(d) for d in args.distinct.split(",")]

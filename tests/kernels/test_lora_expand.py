@@ -91,3 +91,25 @@ def test_expand_segments_shared_out_among_fewer_programs(form, with_live):
     chunk = 16 if form == "segments" else 0
     config = ExpandConfig(block_r=16, block_n=16, chunk_tokens=chunk, segment_programs=2)
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=29, config=config, with_live=with_live)
+
+
+def test_a_graphs_launch_walks_two_column_tiles_a_program():
+    from services.gpu_worker.kernels.lora_expand import choose_expand_config
+
+    # A decode graph's launch (a segment per token, max_seg_len unknown): two column tiles a program, so half
+    # as many programs find their segment empty. An eager step's exact segments, and a graph whose programs
+    # share the segments out, keep one; so does an output of a single tile.
+    common = dict(num_tokens=256, num_groups=3, out_dims=(4096, 4096, 4096), width=4096, max_rank=64,
+                  device=torch.device("cpu"), segmented=True, num_segments=256)
+    graph = choose_expand_config(**common)
+    assert graph.tiles_per_prog == 2 and graph.block_n == 128
+    assert choose_expand_config(**common, max_seg_len=3).tiles_per_prog == 1
+    assert choose_expand_config(**common, live_segments=32, segment_programs=32).tiles_per_prog == 1
+    assert choose_expand_config(**{**common, "out_dims": (128, 128, 128), "width": 128}).tiles_per_prog == 1
+    # On the CPU a launch must fill 4 "multiprocessors" with 8 programs each, twice over: 256 tokens of
+    # 512-wide modules do, one token does not.
+    small = {**common, "out_dims": (512, 512, 512), "width": 512}
+    assert choose_expand_config(**small).tiles_per_prog == 2
+    assert choose_expand_config(**{**small, "num_tokens": 1, "num_segments": 1}).tiles_per_prog == 1
+    # The per-token form is unchanged.
+    assert choose_expand_config(**{**common, "segmented": False}).tiles_per_prog == 1

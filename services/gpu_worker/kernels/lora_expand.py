@@ -182,9 +182,14 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
                          num_segments: int | None = None, live_segments: int | None = None,
                          segment_programs: int = 0) -> ExpandConfig:
     """128-column tiles (256-byte row reads), narrower only when few tokens would leave multiprocessors
-    idle. One column tile per program: walking several per program (to pay the per-program setup once)
-    measured slower on the H200 at every batch tried (docs/benchmarks.md), so tiles_per_prog stays 1.
-    live_segments, segment_programs: as in choose_shrink_config."""
+    idle. One column tile per program, except in a CUDA graph's launch (segment form with max_seg_len unknown:
+    a segment per token, most of them empty): there a program walks two, so half as many programs find their
+    segment empty. On the H200 at batch 256 (docs/benchmarks.md) that took S2's q,k,v expand from 71 to 48 µs
+    a layer at 100 adapters and 37 to 29 at 5; with the exact segments an eager step launches, two tiles a
+    program measured slower (benchmarks/kernels/bench_lora.py), so they keep one.
+    live_segments, segment_programs: as in choose_shrink_config (a graph that shares its segments out among
+    segment_programs programs has no empty ones, and keeps one tile a program; so does a launch too small to
+    fill the multiprocessors twice over)."""
     target = 8 * num_sms(device)
 
     def n_tiles_of(bn: int) -> int:
@@ -204,8 +209,12 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
             # As in choose_shrink_config: 64-token chunks, 64-token tiles only for long segments on average.
             chunk = 64
             block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
-        return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, block_m=block_m,
-                            chunk_tokens=chunk, segment_programs=segment_programs)
+        # Only where halving the programs still leaves the multiprocessors full (not at a batch of a few).
+        graph_bound = max_seg_len is None and not segment_programs
+        programs = units * num_groups * n_tiles_of(block_n)
+        tiles = 2 if graph_bound and n_tiles_of(block_n) >= 2 and programs >= 2 * target else 1
+        return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, tiles_per_prog=tiles,
+                            block_m=block_m, chunk_tokens=chunk, segment_programs=segment_programs)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
 
 
