@@ -1,7 +1,8 @@
 """LoRA shrink + expand as a decode graph launches them: one segment per token, since the graph cannot know
 the step's adapters, with the launch planned for a few busy segments and the segments shared out among
 fewer programs (the engine's cuda_graph_few_adapters and cuda_graph_segment_programs), with 64-token tiles, against
-the plan for all of them and the plan of an eager step that knows the exact distinct count (PLANS).
+the plan for all of them and the plan of an eager step that knows the exact distinct count (PLANS); or, with
+--plans shapes, shrink's and expand's launch shapes against the ones the kernels choose (SHAPE_PLANS).
 
 Each row is one (group, batch, adapters in the batch, plan): microseconds per layer call of shrink (with its
 split-K finalize) and expand, times captured in CUDA graphs that cycle over several layers' buffers, and
@@ -9,6 +10,7 @@ how far the plan's LoRA output lies from the exact plan's (an eager step's launc
 check against the reference): a plan only reshapes the launch, so a gap beyond bf16 rounding fails the run.
 
     python -m benchmarks.kernels.graph_live_segments --out graph_live_segments.json
+    python -m benchmarks.kernels.graph_live_segments --plans shapes --distinct 5,100 --out shapes.json
     python -m benchmarks.kernels.graph_live_segments --smoke --out /tmp/x.json   # CPU interpreter
 """
 from __future__ import annotations
@@ -33,18 +35,22 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # "pN" shares the segments out among N programs (no empty ones for unused segments). "exact live 16"
 # launches the exact segments with the 16-segment plan's shapes: "bound live 16" minus it is what the
 # graph's empty segment programs cost.
-# Expand's launch shape can be changed on its own (shrink keeps its choice): "nN" N-column tiles, "rN" N rank rows
-# a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles walked by one program.
+# Each kernel's launch shape can be changed on its own. Expand: "nN" N-column tiles, "rN" N rank rows a dot, "wN" N
+# warps, "sN" N pipeline stages, "tN" N column tiles walked by one program. Shrink: "skN" N-input tiles, "sxN" the
+# inputs split N ways, "srN" N rank columns a dot, "swN" N warps, "ssN" N pipeline stages.
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
 # the inputs in other splits and orders, so bf16 results differ by rounding only.
 RESULT_TOLERANCE = 2e-2
 PLANS = ("bound", "bound live 4", "bound live 8", "bound live 16", "bound live 32", "bound live 64",
          "bound live 16 m64", "bound live 16 p16", "bound live 16 p32", "bound live 16 p64", "bound live 32 p32",
          "exact live 16", "exact")
-# Expand's launch shapes tried against the default choice (--plans expand).
-EXPAND_PLANS = ("bound", "bound t1", "bound r16", "bound s1", "bound r16 s1", "bound t4", "bound t1 r16",
-                "bound t1 s1", "bound live 32 p32", "bound live 32 p32 t2", "exact t2", "exact")
+# Launch shapes tried against the default choice (--plans shapes); the graph's launch first (most of decode), then
+# an eager step's exact segments.
+SHAPE_PLANS = ("bound", "bound t1", "bound r16", "bound t4", "bound w2", "bound r16 w2", "bound n64", "bound n64 t4",
+               "bound sw8", "bound sw2", "bound sk64", "bound sk256", "bound sx2", "bound sr16", "bound ss1",
+               "bound ss3", "exact", "exact t2", "exact r16 t2", "exact sw8")
 EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog"}
+SHRINK_WORDS = {"sk": "block_k", "sx": "n_split", "sr": "block_r", "sw": "num_warps", "ss": "num_stages"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Plan:
     block_m: int | None = None
     programs: int = 0
     expand: tuple = ()  # (ExpandConfig field, value) pairs
+    shrink: tuple = ()  # (ShrinkConfig field, value) pairs
 
     @classmethod
     def parse(cls, text: str) -> "Plan":
@@ -69,6 +76,8 @@ class Plan:
                 fields["block_m"] = int(word[1:])
             elif word.startswith("p"):
                 fields["programs"] = int(word[1:])
+            elif word[:2] in SHRINK_WORDS and word[2:].isdigit():
+                fields["shrink"] = fields.get("shrink", ()) + ((SHRINK_WORDS[word[:2]], int(word[2:])),)
             elif word[:1] in EXPAND_WORDS and word[1:].isdigit():
                 fields["expand"] = fields.get("expand", ()) + ((EXPAND_WORDS[word[0]], int(word[1:])),)
             else:
@@ -118,6 +127,8 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
             cfg_e = dataclasses.replace(cfg_e, block_m=plan.block_m)
         if plan.expand:
             cfg_e = dataclasses.replace(cfg_e, **dict(plan.expand))
+        if plan.shrink:
+            cfg_s = dataclasses.replace(cfg_s, **dict(plan.shrink))
         y = {}
 
         def shrink():
@@ -142,6 +153,7 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
         row = {"model": model, "group": group, "batch": batch, "distinct_adapters": distinct, "plan": text,
                "segments": segments, "n_split": cfg_s.n_split, "block_m": cfg_s.block_m,
                "expand_block_n": cfg_e.block_n, "segment_programs": plan.programs, "expand": dataclasses.asdict(cfg_e),
+               "shrink": dataclasses.asdict(cfg_s),
                "shrink_us": time_graph(shrink) / num_layers * 1e3, "expand_us": time_graph(expand) / num_layers * 1e3,
                "adapter_bytes": pool.adapter_bytes(token_adapter, fan_in, out_dims)}
         row["both_us"] = row["shrink_us"] + row["expand_us"]
@@ -180,16 +192,16 @@ def main() -> None:
     ap.add_argument("--groups", default="qkv,o")
     ap.add_argument("--batches", default="256")
     ap.add_argument("--distinct", default="1,5,25,100,256")
-    ap.add_argument("--plans", choices=("graph", "expand"), default="graph",
-                    help="graph: the decode graphs' segment plans; expand: expand's launch shapes")
+    ap.add_argument("--plans", choices=("graph", "shapes"), default="graph",
+                    help="graph: the decode graphs' segment plans; shapes: shrink's and expand's launch shapes")
     args = ap.parse_args()
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
-        plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound n16 t2 w2", "exact live 16",
-                 "exact")
+        plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound n16 t2 w2", "bound sk16 sw2",
+                 "exact live 16", "exact")
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
-        plans = PLANS if args.plans == "graph" else EXPAND_PLANS
+        plans = PLANS if args.plans == "graph" else SHAPE_PLANS
         groups = args.groups.split(",")
         batches = [int(b) for b in args.batches.split(",")]
         distinct = [int(d) for d in args.distinct.split(",")]

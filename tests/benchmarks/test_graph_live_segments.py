@@ -16,8 +16,8 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
                          cwd=REPO, env=child_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
-    plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound n16 t2 w2", "exact live 16",
-             "exact")
+    plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound n16 t2 w2", "bound sk16 sw2",
+             "exact live 16", "exact")
     assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [(d, plan) for d in (1, 3) for plan in plans]
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
@@ -31,11 +31,14 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
         # segment programs.
         shaped = by_plan[(d, "exact live 16")]
         assert shaped["segments"] == d and shaped["n_split"] == by_plan[(d, "bound live 16 m64")]["n_split"]
-    # Expand's own launch shape, and nothing else, follows its words.
-    shaped, default = by_plan[(3, "bound n16 t2 w2")]["expand"], by_plan[(3, "bound")]["expand"]
-    assert (shaped["block_n"], shaped["tiles_per_prog"], shaped["num_warps"]) == (16, 2, 2)
-    assert {k: v for k, v in shaped.items() if k not in ("block_n", "tiles_per_prog", "num_warps")} == \
-        {k: v for k, v in default.items() if k not in ("block_n", "tiles_per_prog", "num_warps")}
+    # Each kernel's launch shape, and nothing else, follows its words.
+    def changed(plan, kernel):
+        return {k: v for k, v in by_plan[(3, plan)][kernel].items() if v != by_plan[(3, "bound")][kernel][k]}
+
+    assert changed("bound n16 t2 w2", "expand") == {"block_n": 16, "tiles_per_prog": 2, "num_warps": 2}
+    assert changed("bound n16 t2 w2", "shrink") == {}
+    assert changed("bound sk16 sw2", "shrink") == {"block_k": 16, "num_warps": 2}
+    assert changed("bound sk16 sw2", "expand") == {}
     assert all(r["adapter_bytes"] > 0 for r in rows)
     # Every plan gives the exact plan's LoRA output (fp32 here: the same up to summation order).
     assert all(r["max_rel_diff_vs_exact"] < 1e-5 for r in rows), [r["max_rel_diff_vs_exact"] for r in rows]
@@ -43,12 +46,15 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
 
 
 def test_plans_are_read_from_their_words():
-    from benchmarks.kernels.graph_live_segments import EXPAND_PLANS, PLANS, Plan
+    from benchmarks.kernels.graph_live_segments import PLANS, SHAPE_PLANS, Plan
 
     assert Plan.parse("bound live 16 p32") == Plan(exact=False, live=16, programs=32)
     assert Plan.parse("exact") == Plan(exact=True)
     assert Plan.parse("bound n256 w8") == Plan(exact=False, expand=(("block_n", 256), ("num_warps", 8)))
-    assert all(Plan.parse(p) for p in PLANS + EXPAND_PLANS)
+    # Two-letter shrink words before expand's one-letter ones: "ss3" is shrink's stages, "s3" expand's.
+    assert Plan.parse("exact ss3 s1 sx2") == Plan(exact=True, expand=(("num_stages", 1),),
+                                                   shrink=(("num_stages", 3), ("n_split", 2)))
+    assert all(Plan.parse(p) for p in PLANS + SHAPE_PLANS)
     for bad in ("live 16", "bound q3", "bound nx", ""):
         with pytest.raises(ValueError, match="plan"):
             Plan.parse(bad)
