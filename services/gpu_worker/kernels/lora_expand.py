@@ -165,6 +165,10 @@ def _expand_segment(
             tl.store(o_rows + cols[None, :], (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# A graph's launch walks two column tiles a program from this many tokens (see choose_expand_config).
+GRAPH_TILES_MIN_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class ExpandConfig:
     block_r: int
@@ -185,11 +189,13 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     idle. One column tile per program, except in a CUDA graph's launch (segment form with max_seg_len unknown:
     a segment per token, most of them empty): there a program walks two, so half as many programs find their
     segment empty. On the H200 at batch 256 (docs/benchmarks.md) that took S2's q,k,v expand from 71 to 48 µs
-    a layer at 100 adapters and 37 to 29 at 5; with the exact segments an eager step launches, two tiles a
-    program measured slower (benchmarks/kernels/bench_lora.py), so they keep one.
+    a layer at 100 adapters and 37 to 29 at 5. The launch-shape sweep at batch 64 (benchmarks/kernels/
+    bench_lora.py) found several tiles a program slower, and an eager step's exact segments gained at 100
+    adapters but lost at 5 (o: 18 against 22 µs, 12 against 9), and were not measured with prefill: those
+    keep one tile.
     live_segments, segment_programs: as in choose_shrink_config (a graph that shares its segments out among
-    segment_programs programs has no empty ones, and keeps one tile a program; so does a launch too small to
-    fill the multiprocessors twice over)."""
+    segment_programs programs has no empty ones, and keeps one tile a program; so do graphs of batches under
+    GRAPH_TILES_MIN_TOKENS, where fewer of the segments are empty)."""
     target = 8 * num_sms(device)
 
     def n_tiles_of(bn: int) -> int:
@@ -209,10 +215,9 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
             # As in choose_shrink_config: 64-token chunks, 64-token tiles only for long segments on average.
             chunk = 64
             block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
-        # Only where halving the programs still leaves the multiprocessors full (not at a batch of a few).
+        # Measured at batch 256 only; the launch-shape sweep at batch 64 found several tiles a program slower.
         graph_bound = max_seg_len is None and not segment_programs
-        programs = units * num_groups * n_tiles_of(block_n)
-        tiles = 2 if graph_bound and n_tiles_of(block_n) >= 2 and programs >= 2 * target else 1
+        tiles = 2 if graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS and n_tiles_of(block_n) >= 2 else 1
         return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, tiles_per_prog=tiles,
                             block_m=block_m, chunk_tokens=chunk, segment_programs=segment_programs)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
