@@ -1,6 +1,7 @@
 """The metrics of one run point (BENCHMARKS.md "Metrics"): `summarize` turns the client's request records
 into throughput, latency and SLO figures; `ServerSampler` watches the server's /metrics during the run for
-pool occupancy, adapter loads and queue peaks, and the GPU's memory through nvidia-smi.
+pool occupancy, adapter loads and queue peaks, where the workers' time went (steps by kind), and the GPU's
+memory through nvidia-smi.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.client import RequestRecord
+from services.gpu_worker.step_stats import STEP_KINDS
 
 
 def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 6.0,
@@ -116,6 +118,11 @@ def _by_label(samples: dict, name: str, label: str, **match) -> dict[str, float]
     return out
 
 
+# The workers' step counters (services/gpu_worker/step_stats.py), per kind of step.
+STEP_COUNTERS = (("steps", "loraplex_worker_steps_total"), ("seconds", "loraplex_worker_step_seconds_total"),
+                 ("tokens", "loraplex_worker_step_tokens_total"))
+
+
 class _CounterDelta:
     """Increase of a per-worker counter over the run; a value below the last one is a worker restart
     (its counter starts again from zero), so the new value is all increase."""
@@ -158,6 +165,8 @@ class ServerSampler:
         self.peaks: dict[str, float] = {}
         self.pool_total_slots: float | None = None
         self.counters = {k: _CounterDelta() for k in ("adapter_loads", "adapter_load_bytes", "preemptions")}
+        self.step_counters = {(field, kind): _CounterDelta() for field, _ in STEP_COUNTERS for kind in STEP_KINDS}
+        self.saw_steps = False  # servers without step counters (the PEFT baseline) report no worker_steps
         self.gpu_memory_used_peak_mib: float | None = None
         self.gpu_memory_total_mib: float | None = None
         self._last_gpu = 0.0
@@ -230,6 +239,11 @@ class ServerSampler:
                               ("adapter_load_bytes", "loraplex_adapter_load_bytes_total"),
                               ("preemptions", "loraplex_preemptions_total")):
                 self.counters[key].update(_by_label(samples, name, "worker"), baseline)
+            for field, name in STEP_COUNTERS:
+                for kind in STEP_KINDS:
+                    per_worker = _by_label(samples, name, "worker", kind=kind)
+                    self.saw_steps |= bool(per_worker)
+                    self.step_counters[field, kind].update(per_worker, baseline)
 
     def _gpu_memory(self) -> None:
         try:
@@ -263,11 +277,29 @@ class ServerSampler:
                 "gateway_in_flight_peak": _int(p.get("gateway_in_flight")),
                 "adapters_resident_gpu_peak": _int(p.get("adapters_resident_gpu")),
                 **{key: _int(c.total) if self.samples else None for key, c in self.counters.items()},
+                "worker_steps": self._worker_steps(),
                 "gpu_memory_used_peak_mib": self.gpu_memory_used_peak_mib,
                 "gpu_memory_total_mib": self.gpu_memory_total_mib,
                 "metrics_samples": self.samples,
                 "metrics_sample_errors": self.sample_errors,
             }
+
+
+    def _worker_steps(self) -> dict | None:
+        """Per kind of step over the run, summed over workers: steps, seconds, tokens, the mean step in ms
+        and the kind's share of all step seconds (None where no step counter was read)."""
+        if not self.saw_steps:
+            return None
+        seconds = {kind: self.step_counters["seconds", kind].total for kind in STEP_KINDS}
+        busy = sum(seconds.values())
+        out = {}
+        for kind in STEP_KINDS:
+            steps = round(self.step_counters["steps", kind].total)
+            out[kind] = {"steps": steps, "seconds": round(seconds[kind], 4),
+                         "tokens": round(self.step_counters["tokens", kind].total),
+                         "mean_ms": round(1e3 * seconds[kind] / steps, 3) if steps else None,
+                         "share": round(seconds[kind] / busy, 4) if busy else None}
+        return out
 
 
 def _int(v: float | None) -> int | None:

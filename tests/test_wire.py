@@ -33,6 +33,9 @@ def _example(cls):
         origin = __import__("typing").get_origin(tp)
         if origin in (list, tuple):
             return [value(wire._item_type(tp))]
+        if origin is dict:
+            key_tp, val_tp = __import__("typing").get_args(tp)
+            return {value(key_tp): value(val_tp)}
         if dataclasses.is_dataclass(tp):
             return _example(tp)
         raise AssertionError(f"no sample for {tp}")

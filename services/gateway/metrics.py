@@ -35,6 +35,9 @@ class SchedulerCollector:
         loads = CounterMetricFamily("loraplex_adapter_loads", "Adapters copied into a GPU pool", labels=["worker"])
         load_bytes = CounterMetricFamily("loraplex_adapter_load_bytes", "Bytes of adapters copied into a GPU pool", labels=["worker"])
         preemptions = CounterMetricFamily("loraplex_preemptions", "Running requests preempted for KV space (recomputed later)", labels=["worker"])
+        steps = CounterMetricFamily("loraplex_worker_steps", "Engine steps by kind (graph, decode, prefill)", labels=["worker", "kind"])
+        step_seconds = CounterMetricFamily("loraplex_worker_step_seconds", "Seconds of engine steps from launch until their tokens reached the host, by kind", labels=["worker", "kind"])
+        step_tokens = CounterMetricFamily("loraplex_worker_step_tokens", "Tokens computed by engine steps (prompt and decode), by kind", labels=["worker", "kind"])
         for worker_id, status in sorted(self.view.workers.items()):
             running.add_metric([worker_id], status.running)
             waiting.add_metric([worker_id], status.waiting)
@@ -45,7 +48,11 @@ class SchedulerCollector:
             loads.add_metric([worker_id], status.adapter_loads)
             load_bytes.add_metric([worker_id], status.adapter_load_bytes)
             preemptions.add_metric([worker_id], status.preemptions)
-        yield from (running, waiting, slots, loads, load_bytes, preemptions)
+            for family, values in ((steps, status.step_counts), (step_seconds, status.step_seconds),
+                                   (step_tokens, status.step_tokens)):
+                for kind, value in sorted(values.items()):
+                    family.add_metric([worker_id, kind], value)
+        yield from (running, waiting, slots, loads, load_bytes, preemptions, steps, step_seconds, step_tokens)
         tiers = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (gpu pool, host arena, disk)", labels=["tier"])
         for tier, n in self.adapter_tiers().items():
             tiers.add_metric([tier], n)

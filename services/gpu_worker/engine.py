@@ -7,6 +7,7 @@ of any adapters 4) forward 5) sample 6) finish and free. Requests join and leave
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -31,6 +32,7 @@ from .pool import UnifiedPool
 from .requests import EngineRequest, RequestOutput, Sequence, StepInFlight
 from .resident_adapters import ResidentAdapters
 from .sampling import GreedyTokens, finish_sampling
+from .step_stats import StepStats, step_kind
 from .weights import ModelWeights, dummy_weights, load_weights
 
 log = get_logger(__name__)
@@ -78,6 +80,7 @@ class Engine:
         self._deferred_aborts: list[str] = []
         self._order = 0
         self.num_preemptions = 0
+        self.step_stats = StepStats()  # steps, seconds and tokens by kind of step (step_stats.py)
         self.lookahead_steps = 0  # steps launched before the tokens of the step before reached the host
         self._admitting = False  # an admission round is under way (see _admission_due)
 
@@ -174,9 +177,11 @@ class Engine:
                 device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepInFlight:
         if not scheduled:
             return flight
+        flight.launched_at = time.perf_counter()
         if self.copier is not None:
             self.copier.order_before_compute()
-        if self.graphs is not None and self._is_decode(scheduled) and self.graphs.supports(len(scheduled)):
+        decode_only = self._is_decode(scheduled)
+        if self.graphs is not None and decode_only and self.graphs.supports(len(scheduled)):
             samplers = [seq for seq, _ in scheduled]
             logits = self.graphs.run(samplers, device_tokens)
             flight.replayed = True
@@ -188,6 +193,8 @@ class Engine:
             logits = self.model.forward(batch, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n
+        flight.kind = step_kind(flight.replayed, decode_only)
+        flight.num_tokens = sum(n for _, n in scheduled)
         flight.samplers, flight.logits = samplers, logits
         flight.scheduled = {seq for seq, _ in scheduled}
         if samplers:
@@ -250,6 +257,8 @@ class Engine:
                         self._release(seq)
                     out.finished, out.finish_reason = True, reason
                 outputs.append(out)
+        if flight.kind:  # its tokens are on the host (or it sampled nothing): the step is done
+            self.step_stats.record(flight.kind, flight.launched_at, flight.num_tokens)
         for seq in flight.dropped:
             self._release_slots(seq)
         self._ahead = ahead
@@ -413,4 +422,5 @@ class Engine:
             "preemptions": self.num_preemptions,
             "adapter_loads": self.adapters.loads,
             "adapter_bytes_loaded": self.adapters.bytes_loaded,
+            "step_stats": self.step_stats,
         }

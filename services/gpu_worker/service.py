@@ -210,6 +210,10 @@ class WorkerService:
             adapter_loads=cap["adapter_loads"], adapter_load_bytes=cap["adapter_bytes_loaded"],
             preemptions=cap.get("preemptions", 0),
         )
+        stats = cap.get("step_stats")
+        if stats is not None:
+            status.step_counts, status.step_seconds, status.step_tokens = (dict(stats.steps), dict(stats.seconds),
+                                                                          dict(stats.tokens))
         self._send(status)
         self.finished_ids = []
         self.last_status = now

@@ -90,6 +90,26 @@ def scrape(stack) -> str:
     return stack.metrics()
 
 
+def step_tokens(text: str) -> float:
+    return sum(metric(text, "loraplex_worker_step_tokens_total", worker="worker-0", kind=k) or 0.0
+               for k in ("graph", "decode", "prefill"))
+
+
+def settled(stack, timeout_s: float = 20.0) -> str:
+    """/metrics once the stack runs nothing and its step counters have stopped moving for a ping round."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        text = scrape(stack)
+        busy = (metric(text, "loraplex_running_requests", worker="worker-0") or 0) + \
+            (metric(text, "loraplex_queue_depth") or 0)
+        if not busy and last is not None and step_tokens(text) == step_tokens(last):
+            return text
+        last = text
+        time.sleep(0.6)
+    raise AssertionError("the shared stack did not go idle")
+
+
 def test_sampler_on_a_live_stack(core_stack, tmp_path):
     from shared.make_adapters import make_adapters
 
@@ -101,9 +121,15 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
     # Outputs long enough, and samples close enough, that requests are seen in flight on a loaded machine.
     trace = [TraceRequest(i, 0.1 * i, i % 2, 24, 120) for i in range(12)]
 
-    before = scrape(core_stack)
+    before = settled(core_stack)  # other tests' requests on this shared stack would count as ours
     sampler = ServerSampler(core_stack.url, interval_s=0.05).start()
     records = asyncio.run(run_trace(core_stack.url, trace, lambda r: names[r.adapter], VOCAB_SIZE, progress=False, processes=1))
+    # The worker's last steps reach /metrics with the scheduler's next ping round: wait for the step counters
+    # to count every token (each prompt prefilled once, each output token but the last fed back once).
+    computed = sum(r.prompt_len + r.output_len - 1 for r in trace)
+    deadline = time.monotonic() + 10
+    while step_tokens(scrape(core_stack)) - step_tokens(before) < computed and time.monotonic() < deadline:
+        time.sleep(0.05)
     report = sampler.stop()
     after = scrape(core_stack)
 
@@ -123,6 +149,16 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
                   - metric(before, "loraplex_adapter_load_bytes_total", worker="worker-0"))
     assert report["adapter_loads"] == loads >= 2
     assert report["adapter_load_bytes"] == load_bytes > 0
+    # Where the worker's time went: the server's step counters' rise, per kind of step.
+    steps = report["worker_steps"]
+    for kind in ("graph", "decode", "prefill"):
+        for field, name in (("steps", "loraplex_worker_steps_total"), ("tokens", "loraplex_worker_step_tokens_total")):
+            rise = metric(after, name, worker="worker-0", kind=kind) - metric(before, name, worker="worker-0", kind=kind)
+            assert steps[kind][field] == rise, (kind, field)
+    assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["graph"]["steps"] == 0
+    assert sum(s["tokens"] for s in steps.values()) == computed
+    assert steps["decode"]["mean_ms"] == pytest.approx(1e3 * steps["decode"]["seconds"] / steps["decode"]["steps"], rel=1e-3)
+    assert sum(s["share"] for s in steps.values()) == pytest.approx(1.0, abs=1e-3)
     if shutil.which("nvidia-smi") is None:
         assert report["gpu_memory_used_peak_mib"] is None and report["gpu_memory_total_mib"] is None
 
@@ -133,6 +169,7 @@ def test_sampler_without_a_server_reports_nothing_it_did_not_see():
     report = s.report()
     assert report["metrics_samples"] == 0 and report["metrics_sample_errors"] >= 2
     assert report["adapter_loads"] is None and report["pool_kv_slots_peak"] is None and report["pool_total_slots"] is None
+    assert report["worker_steps"] is None
 
 
 def test_sampler_gpu_memory_peak(core_stack, tmp_path):

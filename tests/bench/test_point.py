@@ -21,7 +21,7 @@ CONTRACT_FIELDS = {
     # BENCHMARKS.md "Metrics" and the run's own parameters
     "n_requests", "duration_s", "warmup_s", "seed", "aborted", "ttft_p90_s", "tpot_mean_s", "user_satisfaction",
     "pool_kv_slots_peak", "pool_adapter_slots_peak", "pool_free_slots_min", "pool_total_slots", "adapter_loads",
-    "adapter_load_bytes", "gpu_memory_used_peak_mib",
+    "adapter_load_bytes", "gpu_memory_used_peak_mib", "worker_steps",
 }
 
 
@@ -72,6 +72,9 @@ def test_point_line_matches_its_records(core_stack, tmp_path):
     assert point["metrics_samples"] >= 5 and point["metrics_sample_errors"] == 0
     assert 0 < point["pool_kv_slots_peak"] < point["pool_total_slots"]
     assert point["running_requests_peak"] >= 1 and point["adapter_loads"] >= 0 and point["adapter_load_bytes"] >= 0
+    # and where its worker's time went: prompts were prefilled and tokens decoded.
+    steps = point["worker_steps"]
+    assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["prefill"]["tokens"] >= 4
 
 
 def test_default_command_is_this_process(core_stack):

@@ -189,6 +189,28 @@ def test_mixed_adapters_match_in_process_engine(stack, tiny_model_dir, tiny_adap
     assert status.free_slots + status.adapter_slots == status.total_slots
 
 
+def test_status_counts_the_steps_by_kind(stack):
+    peer, ids = stack
+    idle = lambda s: s.running == 0 and s.waiting == 0  # noqa: E731
+    before = peer.status(idle)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    results = peer.run([submit(f"counted-{i}", p, ids["adapter-001"], max_tokens=5) for i, p in enumerate(prompts)])
+    assert all(r["finish"] == "length" for r in results.values())
+    after = peer.status(lambda s: idle(s) and sum(s.step_tokens.values()) > sum(before.step_tokens.values()))
+
+    def delta(field):
+        new, old = getattr(after, field), getattr(before, field)
+        return {kind: new.get(kind, 0) - old.get(kind, 0) for kind in new}
+
+    # Every prompt token is computed once, and every output token but the last is fed back once.
+    tokens = delta("step_tokens")
+    assert sum(tokens.values()) == sum(map(len, prompts)) + 3 * 4
+    assert tokens["prefill"] >= sum(map(len, prompts))
+    steps = delta("step_counts")
+    assert steps["prefill"] >= 1 and steps["decode"] >= 4 and steps["graph"] == 0  # no graphs on the CPU
+    assert all(v > 0 for kind, v in delta("step_seconds").items() if steps[kind])
+
+
 def test_refused_requests_end_with_an_error_entry(stack):
     peer, ids = stack
     unknown = "nobody@0123456789abcdef"

@@ -1,0 +1,43 @@
+"""Where a worker's time goes, step by step: how many steps of each kind it ran, how long each took from its
+launch until its tokens reached the host, and how many tokens they carried.
+
+Kinds: "graph", a decode step replayed from a CUDA graph; "decode", a decode step run eagerly (a batch no
+graph covers, or any decode step on the CPU); "prefill", a step that carries prompt tokens, with or without
+decode tokens beside them (an admission round). They are served as counters (WorkerStatus, then /metrics),
+so the share of a window each kind took is the difference of two readings; `loraplex bench` records it for
+every point. A step whose requests all stop mid-prompt samples nothing, so its time runs until its launch
+returns and the wait for its kernels falls to the next step; with overlap_steps a step launched ahead of
+the last one's tokens counts from its launch, so the seconds of overlapping steps add up to more than the
+wall time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+STEP_KINDS = ("graph", "decode", "prefill")
+
+
+def _zeros(kind_type):
+    return field(default_factory=lambda: {kind: kind_type(0) for kind in STEP_KINDS})
+
+
+@dataclass
+class StepStats:
+    steps: dict[str, int] = _zeros(int)
+    seconds: dict[str, float] = _zeros(float)
+    tokens: dict[str, int] = _zeros(int)
+
+    def record(self, kind: str, started: float, tokens: int, now: float | None = None) -> None:
+        """One finished step of `kind`, launched at `started` (time.perf_counter)."""
+        if kind not in self.steps:
+            raise ValueError(f"unknown step kind {kind!r}; kinds are {', '.join(STEP_KINDS)}")
+        self.steps[kind] += 1
+        self.seconds[kind] += (time.perf_counter() if now is None else now) - started
+        self.tokens[kind] += tokens
+
+
+def step_kind(replayed: bool, decode_only: bool) -> str:
+    if replayed:
+        return "graph"
+    return "decode" if decode_only else "prefill"

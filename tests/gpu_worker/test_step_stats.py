@@ -1,0 +1,49 @@
+"""The engine counts its steps by kind, with their time and tokens (services/gpu_worker/step_stats.py)."""
+from __future__ import annotations
+
+import pytest
+
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.requests import EngineRequest
+from services.gpu_worker.sampling import SamplingParams
+from services.gpu_worker.step_stats import STEP_KINDS, StepStats, step_kind
+from shared.config import EngineConfig
+from shared.tiny_model import make_model
+
+
+def test_record_adds_up_by_kind_and_refuses_unknown_kinds():
+    stats = StepStats()
+    assert stats.steps == {"graph": 0, "decode": 0, "prefill": 0}
+    stats.record("prefill", started=10.0, tokens=12, now=10.25)
+    stats.record("decode", started=11.0, tokens=2, now=11.5)
+    stats.record("decode", started=12.0, tokens=2, now=12.25)
+    assert stats.steps == {"graph": 0, "decode": 2, "prefill": 1}
+    assert stats.seconds == {"graph": 0.0, "decode": 0.75, "prefill": 0.25}
+    assert stats.tokens == {"graph": 0, "decode": 4, "prefill": 12}
+    with pytest.raises(ValueError, match="unknown step kind 'eager'"):
+        stats.record("eager", started=0.0, tokens=1)
+    # Separate instances share nothing.
+    assert StepStats().steps["decode"] == 0
+
+
+def test_step_kind():
+    assert step_kind(replayed=True, decode_only=True) == "graph"
+    assert step_kind(replayed=False, decode_only=True) == "decode"
+    assert step_kind(replayed=False, decode_only=False) == "prefill"
+    assert set(STEP_KINDS) == {"graph", "decode", "prefill"}
+
+
+def test_engine_counts_a_prefill_step_then_decode_steps(tmp_path):
+    engine = Engine.from_model_dir(make_model(tmp_path / "model", preset="tiny", seed=2), EngineConfig())
+    engine.add_request(EngineRequest("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True)))
+    engine.add_request(EngineRequest("b", [3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True)))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    stats = engine.capacity()["step_stats"]
+    # One step prefills both prompts (12 tokens) and samples their first tokens; three decode steps of two
+    # tokens sample the rest. The CPU has no graphs.
+    assert stats.steps == {"graph": 0, "decode": 3, "prefill": 1} and steps == 4
+    assert stats.tokens == {"graph": 0, "decode": 6, "prefill": 12}
+    assert stats.seconds["graph"] == 0.0 and stats.seconds["prefill"] > 0 and stats.seconds["decode"] > 0
