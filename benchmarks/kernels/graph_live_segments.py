@@ -93,14 +93,21 @@ def batch_of(distinct: int, batch: int, n_adapters: int, gen: torch.Generator) -
 
 
 def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_adapters: int = 256,
-            num_layers: int = 8, dtype=torch.bfloat16, device: str = "cuda", seed: int = 0) -> list[dict]:
+            num_layers: int = 8, dtype=torch.bfloat16, device: str = "cuda", seed: int = 0,
+            token_adapter: torch.Tensor | None = None) -> list[dict]:
+    """Rows of `plans` for `batch` tokens over `distinct` adapters (batch_of), or for the given `token_adapter`
+    (adapter ids below n_adapters; `batch` and `distinct` then only label the rows)."""
     cfg = llama_config(model)
     modules = GROUPS[group]
     fan_in, out_dims = group_dims(cfg, modules)
     ranks = [(8, 16, 32, 64)[i % 4] for i in range(n_adapters)]
     pool = AdapterPool(cfg, ranks, dtype, device, num_layers=num_layers, seed=seed)
     gen = torch.Generator().manual_seed(seed + batch + distinct)
-    token_adapter = batch_of(distinct, batch, n_adapters, gen).to(device)
+    if token_adapter is None:
+        token_adapter = batch_of(distinct, batch, n_adapters, gen)
+    if token_adapter.shape[0] != batch:
+        raise ValueError(f"token_adapter has {token_adapter.shape[0]} tokens, batch says {batch}")
+    token_adapter = token_adapter.to(device)
     x = torch.randn(batch, fan_in, generator=gen).to(device, dtype)
     out = torch.randn(batch, sum(out_dims), generator=gen).to(device, dtype)
     max_rank = 64  # a decode graph's rank bucket for mixed ranks up to 64
@@ -110,14 +117,15 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     for text in plans:
         plan = Plan.parse(text)
         groups = exact if plan.exact else bound
-        hints = {**groups.kwargs(), "live_segments": plan.live}
+        # An eager step knows its longest segment (prefill runs are split into chunks by it); a graph's launch
+        # does not.
+        longest = int(torch.bincount(token_adapter.long()).max()) if plan.exact else None
+        hints = {**groups.kwargs(), "live_segments": plan.live, "max_seg_len": longest}
         if not plan.programs:
             hints.pop("num_live")  # one program per segment, as the engine launches them by default
         segments = groups.seg_adapter.shape[0]
         # "exact live N" keeps the bound's launch shapes (split, tiles), only without its empty segments.
         planned_for = bound.seg_adapter.shape[0] if plan.exact and plan.live else segments
-        # An eager step knows its longest segment; a graph's launch does not.
-        longest = int(torch.bincount(token_adapter.long()).max()) if plan.exact else None
         cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, longest,
                                      planned_for, plan.live, plan.programs)
         cfg_e = choose_expand_config(batch, len(modules), out_dims, pool.width, max_rank, x.device, True, longest,

@@ -1,0 +1,79 @@
+"""LoRA shrink + expand of an admission step at saturation, under launch shapes around the kernels' choice.
+
+At S2 saturation an admission step prefills a round of 32 prompts beside 224 running requests' decode tokens,
+over 100 adapters; its expand took 351 µs a call, ~5× the time to read and write the step's projection outputs
+at the copy ceiling (docs/benchmarks.md). Each row times one plan of `graph_live_segments` (only "exact" plans:
+an eager step knows its segments and its longest run) on that step's tokens, µs per layer call, and checks its
+LoRA output against the kernels' own choice ("exact"). Plan words as in graph_live_segments.py.
+
+    python -m benchmarks.kernels.admission_shapes --out admission_shapes.json
+    python -m benchmarks.kernels.admission_shapes --smoke --out /tmp/a.json   # CPU interpreter, tiny shapes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import torch
+
+from benchmarks.kernels.graph_live_segments import RESULT_TOLERANCE, measure
+
+ADMISSION_PLANS = ("exact", "exact t2", "exact w8", "exact n64", "exact n64 w8", "exact n256 w8", "exact r16",
+                   "exact s1", "exact s3", "exact m16", "exact sw8", "exact sk64", "exact ss2", "exact ss4")
+
+
+def admission_tokens(prompts: int, running: int, distinct: int, prompt_range: tuple[int, int],
+                     seed: int = 0) -> torch.Tensor:
+    """Adapter ids of one admission step's tokens: `prompts` prompts (lengths uniform in prompt_range, as
+    benchmarks/profile_prefill.py draws them) and one decode token for each of `running` requests, every
+    request on adapter (its index mod `distinct`)."""
+    lengths = [random.Random(seed + i).randrange(*prompt_range) for i in range(prompts)]
+    ids = [i % distinct for i, n in enumerate(lengths) for _ in range(n)]
+    ids += [(prompts + j) % distinct for j in range(running)]
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
+    ap.add_argument("--model", default="llama2-7b")
+    ap.add_argument("--groups", default="qkv,o")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--running", type=int, default=224)
+    ap.add_argument("--distinct", type=int, default=100)
+    args = ap.parse_args()
+    if args.smoke:
+        model, groups, device, dtype, layers = "tiny", ["qkv"], "cpu", torch.float32, 1
+        token_adapter = admission_tokens(3, 5, 4, (20, 90))
+        plans, n_adapters = ("exact", "exact t2", "exact n16 w2", "exact sk16"), 8
+    else:
+        model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
+        groups = args.groups.split(",")
+        token_adapter = admission_tokens(args.prompts, args.running, args.distinct, (8, 512))
+        plans, n_adapters = ADMISSION_PLANS, max(256, args.distinct)
+    tokens, distinct = token_adapter.shape[0], int(torch.unique(token_adapter).numel())
+    rows = []
+    for group in groups:
+        group_rows = measure(model, group, tokens, distinct, plans, n_adapters=n_adapters, num_layers=layers,
+                             dtype=dtype, device=device, token_adapter=token_adapter)
+        rows += group_rows
+        best = min(group_rows, key=lambda r: r["both_us"])
+        print(f"{group}, {tokens} tokens over {distinct} adapters: "
+              + ", ".join(f"{r['plan']} {r['shrink_us']:.0f}+{r['expand_us']:.0f}" for r in group_rows)
+              + f" µs (best {best['plan']})", file=sys.stderr, flush=True)
+    wrong = [r for r in rows if not r["max_rel_diff_vs_exact"] <= RESULT_TOLERANCE]
+    for r in wrong:
+        print(f"RESULT MISMATCH: {r['group']} plan {r['plan']}: {r['max_rel_diff_vs_exact']:.3g} of the output's "
+              f"magnitude from the kernels' own choice", file=sys.stderr)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+                   "tokens": tokens, "distinct_adapters": distinct, "rows": rows}, f, indent=1)
+    if wrong:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
