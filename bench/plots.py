@@ -5,6 +5,7 @@
   base-only's rooflines (`roofline_rps`) dashed beside them, so a target's distance from the limit shows;
 - throughput and SLO attainment vs request rate: one figure per setting, a line per system and n;
 - SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy;
+- where each point's worker time went (steps by kind), for lines that record it (bench/plot_steps.py);
 - over all files: loraplex's throughput and roofline fraction vs n, a line per setting (`plot_settings`).
 Otherwise a line is drawn only where its x varies (two points at least). A point measured twice counts once (the
 later line: a rerun replaces it). `plot_file` returns what it drew, figure by figure, read back from the
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+
+from bench.plot_steps import plot_steps
 
 ROOFLINE_SYSTEMS = ("loraplex", "base-only")  # the systems the targets compare; other baselines share the trace
 ROOFLINE = " roofline"  # label suffix of a roofline series, drawn dashed
@@ -142,6 +145,11 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
             panels.append(("user satisfaction", "user_satisfaction", satisfaction[(setting,)]))
         written[str(png)] = _figure(panels, f"{setting}: SLO attainment vs burstiness, by admission policy",
                                     "arrival cv", False, png)
+
+    png = out_dir / f"{stem}-worker-steps.png"
+    steps = plot_steps(lines, f"{stem}: where the worker's step time went", png)
+    if steps:
+        written[str(png)] = steps
     return written
 
 

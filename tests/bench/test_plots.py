@@ -109,3 +109,27 @@ def test_throughput_vs_adapters_draws_the_rooflines_of_loraplex_and_base_only_da
     assert series["base-only roofline"] == [(100.0, 46.6)]
     assert "peft roofline" not in series and series["peft"] == [(100.0, 0.2)]
     assert series["loraplex"][0] == (5.0, 27.99)
+
+
+def steps(graph, decode, prefill):
+    """worker_steps of a point from (steps, seconds) per kind."""
+    total = graph[1] + decode[1] + prefill[1]
+    return {kind: {"steps": n, "seconds": s, "tokens": n, "mean_ms": 1e3 * s / n if n else None,
+                   "share": s / total}
+            for kind, (n, s) in (("graph", graph), ("decode", decode), ("prefill", prefill))}
+
+
+def test_worker_steps_figure_shows_each_points_shares_and_mean_steps(tmp_path):
+    lines = [line("loraplex", 100, rate=40.0, throughput_rps=28.0, worker_steps=steps((5000, 110.0), (0, 0.0), (250, 50.0))),
+             line("base-only", 100, rate=40.0, throughput_rps=33.0, worker_steps=steps((6000, 105.0), (10, 0.1), (300, 55.0))),
+             line("loraplex", 5, rate=40.0, throughput_rps=30.0)]  # an older line without them: left out
+    drawn = plot_file(write(tmp_path / "sat.jsonl", lines))
+    png = str(tmp_path / "sat-worker-steps.png")
+    assert open(png, "rb").read(8) == PNG_MAGIC
+    labels = ["S2 loraplex n=100 R=40 cv=1", "S2 base-only R=40 cv=1"]
+    assert drawn[png]["share"]["prefill"] == [(labels[0], pytest.approx(50 / 160)), (labels[1], pytest.approx(55 / 160.1))]
+    assert drawn[png]["mean_ms"]["graph"] == [(labels[0], pytest.approx(22.0)), (labels[1], pytest.approx(17.5))]
+    # A kind a point never ran is drawn as 0, not left out.
+    assert drawn[png]["mean_ms"]["decode"][0] == (labels[0], 0.0)
+    # No line with worker steps: no figure.
+    assert not any(k.endswith("worker-steps.png") for k in plot_file(write(tmp_path / "old.jsonl", lines[2:]), tmp_path))

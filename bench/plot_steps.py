@@ -1,0 +1,63 @@
+"""Where the worker's time went, point by point: the `worker_steps` of result lines (steps by kind: decode
+replayed from CUDA graphs, decode run eagerly, steps carrying prefill) as two panels, each point a row:
+the share of step time each kind took, and the mean step of each kind in ms. Two points of one setting
+side by side (loraplex at n = 100 and base-only, say) show whether LoRA's cost is in decode or in prefill.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+KINDS = (("graph", "decode (graph)"), ("decode", "decode (eager)"), ("prefill", "prefill"))
+
+
+def point_label(line: dict) -> str:
+    label = f"{line['setting']} {line['system']}"
+    if line["system"] != "base-only":
+        label += f" n={line['n_adapters']}"
+    for key, short in (("req_rate", "R"), ("cv", "cv")):
+        label += f" {short}={line[key]:g}"
+    return label + (f" {line['policy']}" if line.get("policy") not in (None, "early-abort") else "")
+
+
+def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
+    """The figure of every line with `worker_steps`, to `path`; {panel: {kind: [(point label, value)]}} as
+    drawn, or {} (and no file) when no line has them."""
+    rows = [line for line in lines if line.get("worker_steps")]
+    if not rows:
+        return {}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [point_label(line) for line in rows]
+    fig_height = 2.0 + 0.45 * len(rows)  # inches: title, axis labels and legend, then a band per point
+    fig, (share_ax, mean_ax) = plt.subplots(1, 2, figsize=(13, fig_height), squeeze=True)
+    drawn: dict[str, dict] = {"share": {}, "mean_ms": {}}
+    left = [0.0] * len(rows)
+    bar = 0.8 / len(KINDS)  # a point's band holds one bar per kind
+    for i, (kind, name) in enumerate(KINDS):
+        shares = [line["worker_steps"][kind]["share"] or 0.0 for line in rows]
+        share_ax.barh(labels, shares, left=left, label=name, color=f"C{i}")
+        left = [a + b for a, b in zip(left, shares)]
+        drawn["share"][kind] = list(zip(labels, shares))
+        means = [line["worker_steps"][kind]["mean_ms"] or 0.0 for line in rows]
+        mean_ax.barh([y + (i - 1) * bar for y in range(len(rows))], means, height=bar, label=name,
+                     color=f"C{i}")
+        drawn["mean_ms"][kind] = list(zip(labels, means))
+    share_ax.set_xlim(0, 1)
+    share_ax.set_xlabel("share of the worker's step time")
+    mean_ax.set_yticks(range(len(rows)), labels)
+    mean_ax.set_xlabel("mean step (ms)")
+    for ax in (share_ax, mean_ax):
+        ax.invert_yaxis()  # the file's order, top to bottom
+        ax.grid(True, axis="x", alpha=0.3)
+    # One legend below both panels, clear of the bars.
+    fig.legend(*share_ax.get_legend_handles_labels(), loc="lower center", ncol=len(KINDS), fontsize=9)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.subplots_adjust(bottom=fig.subplotpars.bottom + 0.35 / fig_height)  # room for the legend
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
