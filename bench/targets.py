@@ -81,7 +81,23 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
         bound = f"rooflines' ratio {limit:.3f}"
         if measured < factor and limit < factor:
             status = "missed, beyond the roofline"
+    if measured < factor and a.get("worker_steps") and b.get("worker_steps"):
+        status += f"; {where_the_time_goes(a['worker_steps'], b['worker_steps'])}"
     return Verdict(target, text, bound, status)
+
+
+def where_the_time_goes(a: dict, b: dict) -> str:
+    """Two points' worker steps side by side (bench/metrics.py `worker_steps`): each kind's mean step and
+    share of step time, first point then second, for the kinds either ran."""
+    parts = []
+    for kind, name in (("graph", "graph decode"), ("decode", "eager decode"), ("prefill", "prefill")):
+        x, y = a.get(kind) or {}, b.get(kind) or {}
+        if not (x.get("steps") or y.get("steps")):
+            continue
+        ms = lambda s: f"{s['mean_ms']:.1f}" if s.get("mean_ms") is not None else "—"  # noqa: E731
+        share = lambda s: f"{s['share']:.0%}" if s.get("share") is not None else "—"  # noqa: E731
+        parts.append(f"{name} steps {ms(x)} vs {ms(y)} ms ({share(x)} vs {share(y)} of step time)")
+    return ", ".join(parts)
 
 
 def roofline_fractions(points: dict) -> Verdict:

@@ -63,3 +63,20 @@ def test_targets_command_prints_the_table(tmp_path):
     assert out.stdout == table([path])
     assert out.stdout.splitlines()[0] == "| target | measured | what the rooflines allow | status |"
     assert "| S2 n = 2000 ≥ 0.9 × n = 5 | 24.6 / 28.30 = 0.87×" in out.stdout
+
+
+def test_a_missed_ratio_says_where_the_time_goes_when_both_points_recorded_it(tmp_path):
+    def steps(graph_ms, prefill_ms, prefill_share):
+        return {"graph": {"steps": 5000, "mean_ms": graph_ms, "share": 1 - prefill_share},
+                "decode": {"steps": 0, "mean_ms": None, "share": 0.0},
+                "prefill": {"steps": 250, "mean_ms": prefill_ms, "share": prefill_share}}
+
+    sat = write(tmp_path / "s2-saturation.jsonl", [
+        line("loraplex", 100, 28.2, 42.9, worker_steps=steps(21.8, 212.7, 0.31)),
+        line("base-only", 100, 32.9, 45.4, worker_steps=steps(17.8, 187.9, 0.30)),
+        line("loraplex", 5, 29.9, 45.1), line("loraplex", 2000, 24.6, 39.8)])  # no steps recorded: no account
+    v = {x.target: x for x in verdicts([sat])}
+    assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == (
+        "missed; graph decode steps 21.8 vs 17.8 ms (69% vs 70% of step time), "
+        "prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time)")
+    assert v["S2 n = 2000 ≥ 0.9 × n = 5"].status == "missed, beyond the roofline"
