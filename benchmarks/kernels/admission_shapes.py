@@ -11,14 +11,13 @@ LoRA output against the kernels' own choice ("exact"). Plan words as in graph_li
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 
 import torch
 
-from benchmarks.kernels.graph_live_segments import RESULT_TOLERANCE, measure
+from benchmarks.kernels.graph_live_segments import RESULT_TOLERANCE, measure, plan_arguments
 
 ADMISSION_PLANS = ("exact", "exact t2", "exact w8", "exact n64", "exact n64 w8", "exact n256 w8", "exact r16",
                    "exact s1", "exact s3", "exact m16", "exact sw8", "exact sk64", "exact ss2", "exact ss4")
@@ -36,11 +35,7 @@ def admission_tokens(prompts: int, running: int, distinct: int, prompt_range: tu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
-    ap.add_argument("--model", default="llama2-7b")
-    ap.add_argument("--groups", default="qkv,o")
+    ap = plan_arguments(__doc__)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--running", type=int, default=224)
     ap.add_argument("--distinct", type=int, default=100)

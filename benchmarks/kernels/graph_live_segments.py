@@ -192,12 +192,18 @@ def rank_graph_plans(rows: list[dict]) -> list[dict]:
     return sorted(ranked, key=lambda x: x["mean_over_best"])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def plan_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options every launch-plan benchmark takes (this one and admission_shapes.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes: checks the script runs")
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--groups", default="qkv,o")
+    return ap
+
+
+def main() -> None:
+    ap = plan_arguments(__doc__)
     ap.add_argument("--batches", default="256")
     ap.add_argument("--distinct", default="1,5,25,100,256")
     ap.add_argument("--plans", choices=("graph", "shapes"), default="graph",
