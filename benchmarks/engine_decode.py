@@ -73,9 +73,10 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--slots", type=int, default=120_000)
     p.add_argument("--modes", default="graphs,eager", help="graphs, eager or both")
-    p.add_argument("--few-adapters", default="0",
+    p.add_argument("--few-adapters", default=str(EngineConfig.cuda_graph_few_adapters),
                    help="graphs only: cuda_graph_few_adapters values to compare, comma-separated (0 = every graph "
-                        "planned for all its segments; 32 = steps of <= 32 adapters replay graphs of their own)")
+                        "planned for all its segments; 32, the worker's default = steps of <= 32 adapters replay "
+                        "graphs of their own)")
     p.add_argument("--segment-programs", type=int, default=32, help="cuda_graph_segment_programs")
     p.add_argument("--out", default="engine_decode.json")
     args = p.parse_args()

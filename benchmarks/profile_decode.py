@@ -29,7 +29,8 @@ def main() -> int:
     p.add_argument("--adapters", type=int, default=100)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--graphs", action="store_true", help="replay decode steps from CUDA graphs")
-    p.add_argument("--few-adapters", type=int, default=0, help="cuda_graph_few_adapters (graphs only)")
+    p.add_argument("--few-adapters", type=int, default=EngineConfig.cuda_graph_few_adapters,
+                   help="cuda_graph_few_adapters (graphs only; default the worker's)")
     p.add_argument("--out", default="profile.txt")
     args = p.parse_args()
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
