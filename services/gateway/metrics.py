@@ -36,7 +36,7 @@ class SchedulerCollector:
         load_bytes = CounterMetricFamily("loraplex_adapter_load_bytes", "Bytes of adapters copied into a GPU pool", labels=["worker"])
         preemptions = CounterMetricFamily("loraplex_preemptions", "Running requests preempted for KV space (recomputed later)", labels=["worker"])
         steps = CounterMetricFamily("loraplex_worker_steps", "Engine steps by kind (graph, decode, prefill)", labels=["worker", "kind"])
-        step_seconds = CounterMetricFamily("loraplex_worker_step_seconds", "Seconds of engine steps from launch until their tokens reached the host, by kind", labels=["worker", "kind"])
+        step_seconds = CounterMetricFamily("loraplex_worker_step_seconds", "Seconds of engine steps from their scheduling until their tokens reached the host, by kind", labels=["worker", "kind"])
         step_tokens = CounterMetricFamily("loraplex_worker_step_tokens", "Tokens computed by engine steps (prompt and decode), by kind", labels=["worker", "kind"])
         for worker_id, status in sorted(self.view.workers.items()):
             running.add_metric([worker_id], status.running)

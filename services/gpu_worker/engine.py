@@ -167,17 +167,18 @@ class Engine:
             flight, self._ahead = self._ahead, None
             flight.outputs, self._pending = self._pending, []
             return flight
+        started = time.perf_counter()  # the step's time includes scheduling it (step_stats.py)
         scheduled = self._schedule()
         if self.adapters.has_staged:
             self.adapters.keep_staged({s.req.adapter for s in self.waiting if s.req.adapter})
         outputs, self._pending = self._pending, []
-        return self._launch(scheduled, StepInFlight(outputs))
+        return self._launch(scheduled, StepInFlight(outputs, launched_at=started))
 
     def _launch(self, scheduled: list[tuple[Sequence, int]], flight: StepInFlight,
                 device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepInFlight:
         if not scheduled:
             return flight
-        flight.launched_at = time.perf_counter()
+        flight.launched_at = flight.launched_at or time.perf_counter()
         if self.copier is not None:
             self.copier.order_before_compute()
         decode_only = self._is_decode(scheduled)

@@ -1,5 +1,5 @@
-"""Where a worker's time goes, step by step: how many steps of each kind it ran, how long each took from its
-launch until its tokens reached the host, and how many tokens they carried.
+"""Where a worker's time goes, step by step: how many steps of each kind it ran, how long each took from the
+start of its scheduling until its tokens reached the host, and how many tokens they carried.
 
 Kinds: "graph", a decode step replayed from a CUDA graph; "decode", a decode step run eagerly (a batch no
 graph covers, or any decode step on the CPU); "prefill", a step that carries prompt tokens, with or without
