@@ -45,6 +45,13 @@ def fmt_int(n) -> str:
     return "-" if n is None else f"{int(n):,}"
 
 
+def graphed(steps: dict) -> str:
+    """Share of a worker's step time (since it started) in decode steps replayed from CUDA graphs: low under
+    decode-heavy load means batches no graph covers, or a CPU worker."""
+    total = sum(k["seconds"] for k in steps.values())
+    return f"{steps.get('graph', {}).get('seconds', 0.0) / total:.0%}" if total else "-"
+
+
 def fmt_ms(seconds) -> str:
     if seconds is None:
         return "-"
@@ -116,16 +123,19 @@ def render(status: dict, url: str, style: Style) -> str:
                  + f"   refused {fmt_int(sum(req['rejections'].values()))}   aborted {fmt_int(sum(req['aborts'].values()))}")
     lines.append("")
 
-    lines.append(style.bold("Workers") + style.dim("   pool: # KV slots  : adapter slots  . free"))
+    lines.append(style.bold("Workers") + style.dim("   pool: # KV slots  : adapter slots  . free"
+                                                   "   graphed: step time in CUDA-graph decode steps"))
     if workers:
-        rows = [["WORKER", "HEALTH", "RUNNING", "WAITING", "POOL", "KV", "ADAPTER", "FREE", "TOTAL", "ADAPTERS", "LOADS", "PREEMPTED"]]
+        rows = [["WORKER", "HEALTH", "RUNNING", "WAITING", "POOL", "KV", "ADAPTER", "FREE", "TOTAL", "ADAPTERS", "LOADS",
+                 "PREEMPTED", "GRAPHED"]]
         for w in workers:
             health = style.ok("healthy") if w["healthy"] else style.bad("stale" if w["ready"] else "not ready")
             s = w["slots"]
             rows.append([w["id"], health, fmt_int(w["running"]), fmt_int(w["waiting"]), pool_bar(s, style),
                          fmt_int(s["kv"]), fmt_int(s["adapter"]), fmt_int(s["free"]), fmt_int(s["total"]),
-                         fmt_int(w["resident_adapters"]), fmt_int(w["adapter_loads"]), fmt_int(w["preemptions"])])
-        lines += table(rows, right={2, 3, 5, 6, 7, 8, 9, 10, 11})
+                         fmt_int(w["resident_adapters"]), fmt_int(w["adapter_loads"]), fmt_int(w["preemptions"]),
+                         graphed(w.get("steps") or {})])
+        lines += table(rows, right={2, 3, 5, 6, 7, 8, 9, 10, 11, 12})
     else:
         lines.append("  no worker has reported yet")
     lines.append("")

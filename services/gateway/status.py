@@ -229,7 +229,11 @@ def _workers(state: GatewayState) -> list[dict]:
                     "waiting": s.waiting, "max_running": s.max_running,
                     "slots": {"total": s.total_slots, "kv": s.kv_slots, "adapter": s.adapter_slots, "free": s.free_slots},
                     "resident_adapters": len(s.resident_adapters), "adapter_loads": s.adapter_loads,
-                    "adapter_load_bytes": s.adapter_load_bytes, "preemptions": s.preemptions})
+                    "adapter_load_bytes": s.adapter_load_bytes, "preemptions": s.preemptions,
+                    # Since the worker started, by kind (graph-replayed decode, eager decode, prefill).
+                    "steps": {kind: {"steps": n, "seconds": round(s.step_seconds.get(kind, 0.0), 3),
+                                     "tokens": s.step_tokens.get(kind, 0)}
+                              for kind, n in sorted(s.step_counts.items())}})
     return out
 
 
@@ -336,7 +340,9 @@ def status_schema() -> dict:
                 "id": {"type": "string"}, "healthy": {"type": "boolean"}, "ready": {"type": "boolean"},
                 "running": count, "waiting": count, "max_running": count, "slots": slots,
                 "resident_adapters": count, "adapter_loads": count, "adapter_load_bytes": count,
-                "preemptions": count})},
+                "preemptions": count,
+                "steps": {"type": "object", "additionalProperties": obj({
+                    "steps": count, "seconds": {"type": "number", "minimum": 0}, "tokens": count})}})},
             "requests": obj({"total": count, "by_status": per_label, "in_flight": count, "prompt_tokens": count,
                              "generation_tokens": count, "rejections": per_label, "aborts": per_label}),
             "throughput": obj({"window_s": {"type": "number"}, "requests_per_s": {"type": "number", "minimum": 0},

@@ -40,6 +40,8 @@ def test_summary_names_workers_adapters_and_totals_that_equal_metrics(stack):
     for value, tier in zip(tiers.groups(), ("gpu", "host", "disk")):
         assert int(value) == metric_sum(m, "loraplex_adapters_resident", tier=tier)
     assert re.search(r"on GPU .*demo-001 \(\d+ req\)", out)
+    # A CPU worker replays no decode graphs: none of its step time is graphed.
+    assert re.search(r"worker-0\s+healthy.*\s0%\s*$", out, re.MULTILINE)
 
 
 def test_json_is_the_status_document(stack):
@@ -48,6 +50,14 @@ def test_json_is_the_status_document(stack):
     status = json.loads(done.stdout)
     assert status["object"] == "status" and status["ready"] is True
     assert [w["id"] for w in status["workers"]] == ["worker-0"]
+    # Its steps since it started, by kind, as its counters on /metrics say (no graphs on the CPU).
+    m = settled_samples(stack)
+    steps = loraplex_status(stack.url, "--json")
+    worker = json.loads(steps.stdout)["workers"][0]["steps"]
+    assert set(worker) == {"graph", "decode", "prefill"} and worker["graph"]["steps"] == 0
+    for kind, figures in worker.items():
+        assert figures["steps"] == metric_sum(m, "loraplex_worker_steps_total", worker="worker-0", kind=kind)
+        assert figures["tokens"] == metric_sum(m, "loraplex_worker_step_tokens_total", worker="worker-0", kind=kind)
 
 
 def test_auth_errors_name_the_problem_and_the_admin_key_works(secured_stack):
