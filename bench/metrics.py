@@ -284,7 +284,6 @@ class ServerSampler:
                 "metrics_sample_errors": self.sample_errors,
             }
 
-
     def _worker_steps(self) -> dict | None:
         """Per kind of step over the run, summed over workers: steps, seconds, tokens, the mean step in ms
         and the kind's share of all step seconds (None where no step counter was read)."""

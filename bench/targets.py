@@ -89,13 +89,17 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
 def where_the_time_goes(a: dict, b: dict) -> str:
     """Two points' worker steps side by side (bench/metrics.py `worker_steps`): each kind's mean step and
     share of step time, first point then second, for the kinds either ran."""
+    def ms(s: dict) -> str:
+        return f"{s['mean_ms']:.1f}" if s.get("mean_ms") is not None else "—"
+
+    def share(s: dict) -> str:
+        return f"{s['share']:.0%}" if s.get("share") is not None else "—"
+
     parts = []
     for kind, name in (("graph", "graph decode"), ("decode", "eager decode"), ("prefill", "prefill")):
         x, y = a.get(kind) or {}, b.get(kind) or {}
         if not (x.get("steps") or y.get("steps")):
             continue
-        ms = lambda s: f"{s['mean_ms']:.1f}" if s.get("mean_ms") is not None else "—"  # noqa: E731
-        share = lambda s: f"{s['share']:.0%}" if s.get("share") is not None else "—"  # noqa: E731
         parts.append(f"{name} steps {ms(x)} vs {ms(y)} ms ({share(x)} vs {share(y)} of step time)")
     return ", ".join(parts)
 

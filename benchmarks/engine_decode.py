@@ -77,7 +77,8 @@ def main() -> int:
                    help="graphs only: cuda_graph_few_adapters values to compare, comma-separated (0 = every graph "
                         "planned for all its segments; 32, the worker's default = steps of <= 32 adapters replay "
                         "graphs of their own)")
-    p.add_argument("--segment-programs", type=int, default=32, help="cuda_graph_segment_programs")
+    p.add_argument("--segment-programs", type=int, default=EngineConfig.cuda_graph_segment_programs,
+                   help="cuda_graph_segment_programs (default the worker's)")
     p.add_argument("--out", default="engine_decode.json")
     args = p.parse_args()
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from benchmarks.kernels.graph_live_segments import RESULT_TOLERANCE, measure, plan_arguments
+from benchmarks.kernels.graph_live_segments import measure, plan_arguments, report_mismatches
 
 ADMISSION_PLANS = ("exact", "exact t2", "exact w8", "exact n64", "exact n64 w8", "exact n256 w8", "exact r16",
                    "exact s1", "exact s3", "exact m16", "exact sw8", "exact sk64", "exact ss2", "exact ss4")
@@ -59,10 +59,7 @@ def main() -> None:
         print(f"{group}, {tokens} tokens over {distinct} adapters: "
               + ", ".join(f"{r['plan']} {r['shrink_us']:.0f}+{r['expand_us']:.0f}" for r in group_rows)
               + f" µs (best {best['plan']})", file=sys.stderr, flush=True)
-    wrong = [r for r in rows if not r["max_rel_diff_vs_exact"] <= RESULT_TOLERANCE]
-    for r in wrong:
-        print(f"RESULT MISMATCH: {r['group']} plan {r['plan']}: {r['max_rel_diff_vs_exact']:.3g} of the output's "
-              f"magnitude from the kernels' own choice", file=sys.stderr)
+    wrong = report_mismatches(rows)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
                    "tokens": tokens, "distinct_adapters": distinct, "rows": rows}, f, indent=1)

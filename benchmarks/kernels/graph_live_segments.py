@@ -113,13 +113,14 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     max_rank = 64  # a decode graph's rank bucket for mixed ranks up to 64
     bound = kernels.group_tokens_by_adapter(token_adapter, count_live=True)  # a segment per token, as in a graph
     exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct, count_live=True)
+    # An eager step knows its longest segment (prefill runs are split into chunks by it); a graph's launch
+    # does not.
+    longest_run = int(torch.bincount(token_adapter.long()).max())
     rows, deltas = [], {}
     for text in plans:
         plan = Plan.parse(text)
         groups = exact if plan.exact else bound
-        # An eager step knows its longest segment (prefill runs are split into chunks by it); a graph's launch
-        # does not.
-        longest = int(torch.bincount(token_adapter.long()).max()) if plan.exact else None
+        longest = longest_run if plan.exact else None
         hints = {**groups.kwargs(), "live_segments": plan.live, "max_seg_len": longest}
         if not plan.programs:
             hints.pop("num_live")  # one program per segment, as the engine launches them by default
@@ -192,6 +193,15 @@ def rank_graph_plans(rows: list[dict]) -> list[dict]:
     return sorted(ranked, key=lambda x: x["mean_over_best"])
 
 
+def report_mismatches(rows: list[dict]) -> bool:
+    """Print each row whose LoRA output lies beyond RESULT_TOLERANCE from the reference plan's; any?"""
+    wrong = [r for r in rows if not r["max_rel_diff_vs_exact"] <= RESULT_TOLERANCE]
+    for r in wrong:
+        print(f"RESULT MISMATCH: {r['group']} batch {r['batch']} adapters {r['distinct_adapters']} plan {r['plan']}: "
+              f"{r['max_rel_diff_vs_exact']:.3g} of the output's magnitude from the exact plan", file=sys.stderr)
+    return bool(wrong)
+
+
 def plan_arguments(doc: str) -> argparse.ArgumentParser:
     """The options every launch-plan benchmark takes (this one and admission_shapes.py)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,10 +241,7 @@ def main() -> None:
                 print(f"{group} batch {batch} adapters {d}: "
                       + ", ".join(f"{r['plan']} {r['both_us']:.1f}" for r in rows[-len(plans):])
                       + f" µs (best {best['plan']})", file=sys.stderr, flush=True)
-    wrong = [r for r in rows if not r["max_rel_diff_vs_exact"] <= RESULT_TOLERANCE]
-    for r in wrong:
-        print(f"RESULT MISMATCH: {r['group']} batch {r['batch']} adapters {r['distinct_adapters']} plan {r['plan']}: "
-              f"{r['max_rel_diff_vs_exact']:.3g} of the output's magnitude from the exact plan", file=sys.stderr)
+    wrong = report_mismatches(rows)
     ranked = rank_graph_plans(rows)
     for x in ranked[:5]:
         print(f"graph plan {x['plan']}: {x['mean_over_best']:.3f} x the best on average, "

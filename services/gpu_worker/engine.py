@@ -194,8 +194,8 @@ class Engine:
             logits = self.model.forward(batch, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n
+            flight.num_tokens += n
         flight.kind = step_kind(flight.replayed, decode_only)
-        flight.num_tokens = sum(n for _, n in scheduled)
         flight.samplers, flight.logits = samplers, logits
         flight.scheduled = {seq for seq, _ in scheduled}
         if samplers:

@@ -77,3 +77,16 @@ def test_graph_plans_are_ranked_by_their_cost_over_the_best_per_case():
     assert ranked[0]["mean_over_best"] == 1.1 and ranked[0]["worst_over_best"] == 1.2
     assert ranked[1]["mean_over_best"] == 1.5 and ranked[1]["worst_over_best"] == 2.0
     assert rank_graph_plans([row("bound", 5, "qkv", float("nan"))]) == []
+
+
+def test_a_plan_beyond_the_tolerance_is_reported(capsys):
+    from benchmarks.kernels.graph_live_segments import RESULT_TOLERANCE, report_mismatches
+
+    def row(plan, diff):
+        return {"group": "qkv", "batch": 256, "distinct_adapters": 100, "plan": plan, "max_rel_diff_vs_exact": diff}
+
+    assert not report_mismatches([row("bound", 0.0), row("bound t2", RESULT_TOLERANCE)])
+    assert report_mismatches([row("bound", 0.0), row("bound t4", 0.5), row("bound r16", float("nan"))])
+    err = capsys.readouterr().err
+    assert "plan bound t4: 0.5 of the output's magnitude" in err and "plan bound r16: nan" in err
+    assert "plan bound:" not in err
