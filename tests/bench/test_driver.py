@@ -89,9 +89,10 @@ def test_a_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
 
 
 def test_a_point_running_past_the_budget_is_cut_off_and_its_tail_remembered(tmp_path):
-    # Estimates say the point fits (1 s of tail); its real backlog (180 requests of 400-500 tokens on a
-    # CPU) would take minutes. The piece must end on time anyway, with no line for the cut point.
-    spec = {**TWO_POINTS, "systems": ["loraplex"], "by_system": {}, "n": [2], "rates": [60],
+    # Estimates say the point fits (1 s of tail); its real backlog (600 requests of 400-500 tokens on a
+    # CPU; an idle 2-core machine served 180 of them in 27 s) would take minutes. The piece must end on time
+    # anyway, with no line for the cut point.
+    spec = {**TWO_POINTS, "systems": ["loraplex"], "by_system": {}, "n": [2], "rates": [200],
             "output_range": [400, 500], "stack_warmup_s": 0, "point_tail_s": 1}
     spec_path = tmp_path / "tiny-two.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
