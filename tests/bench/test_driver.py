@@ -290,7 +290,9 @@ def test_lanes_stopped_by_sigterm_stop_their_stacks(tmp_path):
     from shared.probes import alive, descendants
 
     spec_path = tmp_path / "tiny-two.yaml"
-    spec_path.write_text(yaml.safe_dump({**TWO_POINTS, "systems": ["loraplex"], "by_system": {}, "duration_s": 60}))
+    # Points far longer than the wait for both lanes' stacks (up to 150 s), so neither can end before the signal
+    # (with 60 s points, a lane ready a minute before the other once wrote its line).
+    spec_path.write_text(yaml.safe_dump({**TWO_POINTS, "systems": ["loraplex"], "by_system": {}, "duration_s": 300}))
     parent = subprocess.Popen([sys.executable, "-m", "shared.cli", "bench", "sweep", str(spec_path), "--gpus", "2",
                                "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out"), "--quiet"],
                               cwd=REPO, env=child_env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
