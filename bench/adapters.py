@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import write_file_atomically
 from bench.settings import Setting
 
 CONFIG_FILE = "adapter_config.json"
@@ -125,9 +126,7 @@ def _manifest(root: Path, setting: Setting, seed: int, byte_budget: int) -> dict
     recorded = {"setting": setting.name, "seed": seed, "byte_budget": byte_budget, "cap": cap,
                 "ranks": list(setting.ranks), "targets": list(setting.targets)}
     root.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # sweeps on other GPUs of the host may write it at once
-    tmp.write_text(json.dumps(recorded, indent=2) + "\n")
-    tmp.replace(path)
+    write_file_atomically(path, json.dumps(recorded, indent=2) + "\n")
     return recorded
 
 

@@ -44,7 +44,7 @@ from typing import Callable
 
 import yaml
 
-from bench import child_env
+from bench import child_env, write_file_atomically
 from bench.settings import Setting, get_setting
 from bench.stack import NO_UNIFY_ADAPTERS, Stack, StackConfig, check_policy, check_system
 
@@ -271,9 +271,7 @@ class Timings:
                         mine[name] = max(float(mine.get(name, 0.0)), float(value))
             table = self.data.setdefault(kind, {})
             table[key] = max(float(table.get(key, 0.0)), seconds)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.data, indent=1))
-            tmp.replace(self.path)
+            write_file_atomically(self.path, json.dumps(self.data, indent=1))
 
 
 def measure_ceilings_apart(device: str) -> dict:

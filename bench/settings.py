@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import write_file_atomically
 from shared.model_config import MODULES, ModelConfig
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -102,9 +103,7 @@ class Setting:
                 return folder
         folder.mkdir(parents=True, exist_ok=True)
         write_word_tokenizer(folder, self.vocab_size)
-        tmp = config_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.hf_config, indent=2) + "\n")
-        tmp.replace(config_path)
+        write_file_atomically(config_path, json.dumps(self.hf_config, indent=2) + "\n")
         return folder
 
 
@@ -120,10 +119,9 @@ def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tmp = folder / "tokenizer.json.tmp"
-    tok.save(str(tmp))
-    tmp.replace(folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
+    # Drivers on other GPUs of the host may write the same folder at once (bench sweep --gpus).
+    write_file_atomically(folder / "tokenizer.json", write=lambda tmp: tok.save(str(tmp)))
+    write_file_atomically(folder / "tokenizer_config.json", json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
         "clean_up_tokenization_spaces": False,
     }, indent=2) + "\n")

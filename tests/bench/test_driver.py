@@ -40,13 +40,16 @@ def results(out: Path) -> list[dict]:
 
 def test_a_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
     # loraplex n = 2 and 3 and base-only share one stack; bmm needs a stack of its own.
-    spec = {**TWO_POINTS, "systems": ["loraplex", "base-only", "bmm"],
+    # A 60 s start estimate: a stack and its first point need 60 + 46 + 1 + 48 = 155 s, so the first piece's
+    # 163 s fit one stack with 8 s to spare (its check comes before any work) and never a second, while its
+    # later points (49 s each by the estimate) still run up to 114 s into the piece on a slow machine.
+    spec = {**TWO_POINTS, "systems": ["loraplex", "base-only", "bmm"], "startup_s": 60,
             "by_system": {"base-only": {"n": [3]}, "bmm": {"n": [2]}}}
     spec_path = tmp_path / "tiny-two.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
     work, out = tmp_path / "work", tmp_path / "out"
 
-    first = sweep(spec_path, work, out, budget=100)
+    first = sweep(spec_path, work, out, budget=163)
     assert first.returncode == 3, first.stdout + first.stderr
     assert "run the same command again" in first.stdout and "a bmm stack and its first point" in first.stdout
     assert "warm-up: 1 s of traffic at 3 req/s, not measured" in first.stderr

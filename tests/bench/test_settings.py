@@ -1,6 +1,7 @@
 """The benchmark settings: base shapes of the paper's models, rank sets, targets, and the folder served
 with dummy weights (config.json plus a tokenizer whose vocabulary is the model's)."""
 import json
+import threading
 
 import pytest
 from tokenizers import Tokenizer
@@ -54,6 +55,33 @@ def test_prepared_model_folder_has_the_config_and_a_tokenizer_of_its_vocabulary(
     before = (folder / "tokenizer.json").stat().st_mtime_ns
     setting.prepare_model(tmp_path)
     assert (folder / "tokenizer.json").stat().st_mtime_ns == before
+
+
+def test_writers_preparing_one_folder_at_once_all_succeed_and_leave_it_whole(tmp_path):
+    # Drivers on several GPUs of a host (bench sweep --gpus) prepare the same model folder side by side: one
+    # writer's temporary file must never be renamed away under another.
+    setting = get_setting("tiny")
+    for round_ in range(5):
+        root = tmp_path / f"round-{round_}"
+        start, errors = threading.Barrier(6), []
+
+        def prepare():
+            start.wait()
+            try:
+                setting.prepare_model(root)
+            except Exception as e:  # collected: a failure in a thread would not fail the test by itself
+                errors.append(e)
+
+        threads = [threading.Thread(target=prepare) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        folder = root / setting.model
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+        assert Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size() == setting.vocab_size
+        assert json.loads((folder / "config.json").read_text()) == setting.hf_config
 
 
 def test_unknown_setting_names_the_choices():

@@ -16,10 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared.probes import metric
 from tests.e2e.conftest import MAX_QUEUE, MAX_RUNNING
 
-LONG = 400  # tokens: far more than any test waits for
-# The tiny model's whole context less the prompt: a fast CPU decodes LONG tokens before the test's reads of
-# /metrics see them running, so a request the test disconnects must outlast those reads by far.
-LONGEST = 2048 - 4
+# The tiny model's whole context less the prompt: requests that must still be running when a test acts on
+# them (a fast idle CPU once decoded 400 tokens before the test's reads of /metrics saw them running).
+LONG = 2048 - 4
 
 
 def long_body(i: int, max_tokens: int = LONG, stream: bool = True) -> dict:
@@ -53,7 +52,7 @@ def test_full_queue_is_429_with_retry_after(stack):
     statuses: dict[int, httpx.Response] = {}
 
     async def one(client, i, release: asyncio.Event):
-        async with client.stream("POST", "/v1/completions", json=long_body(i)) as r:
+        async with client.stream("POST", "/v1/completions", json=long_body(i, LONG)) as r:
             if r.status_code != 200:
                 await r.aread()
                 statuses[i] = r
@@ -90,7 +89,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_slots(stack):
     aborts_before = metric(base, "loraplex_aborts_total", reason="client_disconnect") or 0
     computed_before = step_tokens(base)
     with stack.client() as c:
-        with c.stream("POST", "/v1/completions", json=long_body(1, LONGEST)) as r:
+        with c.stream("POST", "/v1/completions", json=long_body(1, LONG)) as r:
             assert r.status_code == 200
             holding = False
             deadline = time.monotonic() + 30
@@ -110,7 +109,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_slots(stack):
     assert free + adapter == total
     # The request stopped on the worker: it computed its prompt and some tokens, far fewer than max_tokens.
     computed = step_tokens(after) - computed_before
-    assert 4 < computed < LONGEST / 2, computed
+    assert 4 < computed < LONG / 2, computed
 
 
 def test_sigkill_worker_ends_its_requests_cleanly_and_it_comes_back(stack):
@@ -124,7 +123,7 @@ def test_sigkill_worker_ends_its_requests_cleanly_and_it_comes_back(stack):
         out = {"finish": None, "error": None, "done": False, "tokens": 0}
         outcomes[i] = out
         with stack.client(timeout=60) as c:
-            with c.stream("POST", "/v1/completions", json=long_body(i)) as r:
+            with c.stream("POST", "/v1/completions", json=long_body(i, LONG)) as r:
                 out["status"] = r.status_code
                 first = True
                 for line in r.iter_lines():
@@ -153,7 +152,10 @@ def test_sigkill_worker_ends_its_requests_cleanly_and_it_comes_back(stack):
             c.post("/v1/completions", json=long_body(100 + i, max_tokens=4, stream=False)))) for i in range(3)]
         for t in late_threads:
             t.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while metric(stack.metrics(), "loraplex_queue_depth") != len(late_threads):
+            assert time.monotonic() < deadline, "the late requests never showed queued"
+            time.sleep(0.05)
         os.kill(old_pid, signal.SIGKILL)
         killed_at = time.monotonic()
         for t in threads:

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 
 from shared.make_adapters import make_adapters
@@ -41,7 +42,7 @@ def data_dir(tmp_path_factory):
 
 
 def test_sigterm_drains_then_restart_keeps_registrations_and_tokens(data_dir, tmp_path):
-    first = Stack(data_dir, "--drain-timeout-s", "20").start()
+    first = Stack(data_dir, "--drain-timeout-s", "60").start()
     try:
         extra = make_adapters(tmp_path, data_dir / "model", 2, ranks=[6, 20], seed=1234, prefix="kept")
         with first.client() as c:
@@ -59,8 +60,10 @@ def test_sigterm_drains_then_restart_keeps_registrations_and_tokens(data_dir, tm
 
         def stream():
             with first.client(timeout=60) as c:
-                body = {"model": "kept-001", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-                        "stream": True}
+                # Long enough to still run when the drain starts on a fast CPU (40 tokens once did not), short
+                # enough to finish inside the drain on a loaded one.
+                body = {"model": "kept-001", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0,
+                        "ignore_eos": True, "stream": True}
                 with c.stream("POST", "/v1/completions", json=body) as r:
                     for line in r.iter_lines():
                         if line.startswith("data: ") and line != "data: [DONE]":
@@ -75,12 +78,15 @@ def test_sigterm_drains_then_restart_keeps_registrations_and_tokens(data_dir, tm
         refused = None
         while refused is None and time.monotonic() < deadline:
             with first.client(timeout=10) as c:
-                r = c.post("/v1/completions", json={"model": "model", "prompt": PROMPT, "max_tokens": 2})
+                try:
+                    r = c.post("/v1/completions", json={"model": "model", "prompt": PROMPT, "max_tokens": 2})
+                except httpx.TransportError as e:
+                    raise AssertionError(f"the gateway stopped serving during the drain: {e!r}") from e
             if r.status_code == 503:
                 refused = r
             time.sleep(0.05)
         assert refused is not None and refused.json()["error"]["message"]
-        t.join(60)
+        t.join(90)
         assert [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]] == ["length"]
         assert first.proc.wait(60) == 0
         assert wait_gone(children, 10) == [], "children outlived the launcher's SIGTERM"

@@ -5,6 +5,8 @@ manage adapters and a tenant cannot use or even see another tenant's adapter."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import pytest
@@ -43,7 +45,9 @@ def secured(tmp_path_factory):
     with running(Stack(root / "data", "--demo-adapters", "1", "--api-keys-file", str(keys),
                        "--set", f"scheduler.max_queue_per_tenant={PER_TENANT}",
                        "--set", f"worker.max_running_requests={MAX_RUNNING}",
-                       "--set", "scheduler.first_token_slo_s=0")) as s:
+                       "--set", "scheduler.first_token_slo_s=0",
+                       # The queue test stops the worker for a while: not long enough to be taken for hung.
+                       "--heartbeat-timeout-s", "60")) as s:
         yield s
 
 
@@ -56,9 +60,28 @@ def test_a_tenant_over_its_queue_bound_is_refused_alone(secured):
     threads = start_threads(MAX_RUNNING, stream_request,
                             lambda i: (stack.url, body(i), running[i], first[i], 120.0, cancel, auth(ACME)))
     assert all(e.wait(60) for e in first)
+    # The worker is stopped while the queue is examined, so its two streams cannot end (a fast CPU decodes
+    # the model's whole context in ~3 s) and let a queued request in.
+    worker = stack.service_pids()["worker-0"]
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        queued, others, waiting = examine_tenant_queues(stack)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    cancel.set()
+    join_all(threads + waiting, 60)
+    for out in queued + others:
+        assert out.status == 200 and out.body["usage"]["completion_tokens"] == 3, (out.status, out.body)
+    assert metric(stack.metrics(), "loraplex_rejections_total", reason="tenant_queue_full") == 1
+    idle_without_leaks(stack)
+
+
+def examine_tenant_queues(stack) -> tuple[list, list, list]:
+    """acme queues up to its bound and its next request is refused; globex's are then admitted beyond it.
+    The queued requests' outcomes, acme's and globex's, and their threads (for the caller to join)."""
     queued = [Outcome() for _ in range(PER_TENANT)]
-    threads += start_threads(PER_TENANT, plain_request,
-                             lambda i: (stack.url, body(10 + i, max_tokens=3), queued[i], 120.0, auth(ACME)))
+    threads = start_threads(PER_TENANT, plain_request,
+                            lambda i: (stack.url, body(10 + i, max_tokens=3), queued[i], 120.0, auth(ACME)))
     assert wait_for(lambda: metric(stack.metrics(), "loraplex_queue_depth") == PER_TENANT, 10)
 
     over = Outcome()
@@ -71,12 +94,7 @@ def test_a_tenant_over_its_queue_bound_is_refused_alone(secured):
                              lambda i: (stack.url, body(30 + i, max_tokens=3), others[i], 120.0, auth(GLOBEX)))
     assert wait_for(lambda: metric(stack.metrics(), "loraplex_queue_depth") == 2 * PER_TENANT, 10), \
         "globex's requests were not admitted"
-    cancel.set()
-    join_all(threads, 60)
-    for out in queued + others:
-        assert out.status == 200 and out.body["usage"]["completion_tokens"] == 3, (out.status, out.body)
-    assert metric(stack.metrics(), "loraplex_rejections_total", reason="tenant_queue_full") == 1
-    idle_without_leaks(stack)
+    return queued, others, threads
 
 
 def test_tenants_are_isolated_and_keys_are_never_written_anywhere(secured, tmp_path):

@@ -37,7 +37,9 @@ PEER_TIMEOUT_S = 3.0  # the gateway's default: a scheduler silent this long has 
 def stack(tmp_path_factory):
     with running(make_stack(tmp_path_factory, "control-plane", "--demo-adapters", "3",
                             "--set", f"worker.max_running_requests={MAX_RUNNING}",
-                            "--set", "scheduler.first_token_slo_s=0")) as s:
+                            "--set", "scheduler.first_token_slo_s=0",
+                            # The scheduler test stops the worker while the scheduler restarts.
+                            "--heartbeat-timeout-s", "60")) as s:
         yield s
 
 
@@ -73,12 +75,22 @@ def test_scheduler_sigkill_fails_requests_cleanly_and_the_worker_drops_its_orpha
     old_pid = stack.service_pids()["scheduler"]
     streaming, queued, threads = load(stack, MAX_RUNNING, 2)
 
-    os.kill(old_pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    # A request sent during the outage is refused or fails cleanly too, never left waiting.
-    during = Outcome()
-    threads.append(threading.Thread(target=plain_request, args=(stack.url, body(99, max_tokens=4), during), daemon=True))
-    threads[-1].start()
+    # The worker is held still until the new scheduler is up, so its requests are still running when it
+    # reports them there (a fast CPU could otherwise finish them during the restart: nothing left to drop).
+    worker = stack.service_pids()["worker-0"]
+    schedulers_up = stack.log().count("scheduler ready")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        os.kill(old_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        # A request sent during the outage is refused or fails cleanly too, never left waiting.
+        during = Outcome()
+        threads.append(threading.Thread(target=plain_request, args=(stack.url, body(99, max_tokens=4), during),
+                                        daemon=True))
+        threads[-1].start()
+        assert wait_for(lambda: stack.log().count("scheduler ready") > schedulers_up, 30), "no new scheduler"
+    finally:
+        os.kill(worker, signal.SIGCONT)
 
     bound_s = PEER_TIMEOUT_S + 3.0
     join_all(threads, bound_s + 5)

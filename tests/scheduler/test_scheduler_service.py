@@ -218,7 +218,10 @@ def test_ping_forwards_worker_statuses_then_pong(start):
     sched = start()
     gw = sched.gateway()
     sched.worker("w0", free_slots=123)
-    time.sleep(0.2)
+    # Until the scheduler has the worker's status (a fixed sleep once lost that race on a loaded machine);
+    # what those pings forwarded is dropped, so the status read below is this ping's.
+    sched.wait_workers(gw, 1)
+    gw.backlog.clear()
     gw.send(Ping(call_id="m"))
     forwarded = gw.recv(WorkerStatus)
     assert (forwarded.worker_id, forwarded.free_slots) == ("w0", 123)
@@ -243,7 +246,14 @@ def test_sigterm_drains_then_exits(start):
     gw.send(submit("r1"))
     wk.recv(Assign)
     sched.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
+    # Until the scheduler says it drains (its Pong turns not ready): a fixed sleep races a loaded machine.
+    deadline = time.monotonic() + 5
+    while True:
+        gw.send(Ping(call_id="drain"))
+        if not gw.recv(Pong).ready:
+            break
+        assert time.monotonic() < deadline, "the scheduler never started draining"
+        time.sleep(0.02)
     gw.send(submit("r2"))
     rejected = gw.recv(RequestRejected)
     assert (rejected.request_id, rejected.status, rejected.code) == ("r2", 503, "shutting_down")
