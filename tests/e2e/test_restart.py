@@ -36,6 +36,21 @@ def registrations(stack) -> dict[str, tuple]:
                 for a in c.get("/v1/adapters").json()["data"]}
 
 
+def refusal_during_drain(stack, timeout_s: float = 10.0):
+    """What the gateway answers a new request with once /ready says it no longer accepts any (a request sent
+    before that would wait on the held worker), or None when it never says so."""
+    deadline = time.monotonic() + timeout_s
+    with stack.client(timeout=10) as c:
+        try:
+            while c.get("/ready").json()["checks"]["accepting"]:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.02)
+            return c.post("/v1/completions", json={"model": "model", "prompt": PROMPT, "max_tokens": 2})
+        except httpx.TransportError as e:
+            raise AssertionError(f"the gateway stopped serving during the drain: {e!r}") from e
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("restart") / "data"
@@ -60,9 +75,7 @@ def test_sigterm_drains_then_restart_keeps_registrations_and_tokens(data_dir, tm
 
         def stream():
             with first.client(timeout=60) as c:
-                # Long enough to still run when the drain starts on a fast CPU (40 tokens once did not), short
-                # enough to finish inside the drain on a loaded one.
-                body = {"model": "kept-001", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0,
+                body = {"model": "kept-001", "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
                         "ignore_eos": True, "stream": True}
                 with c.stream("POST", "/v1/completions", json=body) as r:
                     for line in r.iter_lines():
@@ -73,20 +86,19 @@ def test_sigterm_drains_then_restart_keeps_registrations_and_tokens(data_dir, tm
         t = threading.Thread(target=stream)
         t.start()
         assert streaming.wait(60)
-        first.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        refused = None
-        while refused is None and time.monotonic() < deadline:
-            with first.client(timeout=10) as c:
-                try:
-                    r = c.post("/v1/completions", json={"model": "model", "prompt": PROMPT, "max_tokens": 2})
-                except httpx.TransportError as e:
-                    raise AssertionError(f"the gateway stopped serving during the drain: {e!r}") from e
-            if r.status_code == 503:
-                refused = r
-            time.sleep(0.05)
-        assert refused is not None and refused.json()["error"]["message"]
+        # The worker (which the drain leaves running) is held still until a refusal is seen, so the stream is
+        # still in flight then however fast the CPU (40 tokens once ended before the drain began).
+        worker = first.service_pids()["worker-0"]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            first.proc.send_signal(signal.SIGTERM)
+            refused = refusal_during_drain(first)
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        assert refused is not None, "the gateway never stopped accepting"
+        assert refused.status_code == 503 and refused.json()["error"]["message"], refused.text
         t.join(90)
+        assert not [e for e in events if "error" in e], events[-1]
         assert [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]] == ["length"]
         assert first.proc.wait(60) == 0
         assert wait_gone(children, 10) == [], "children outlived the launcher's SIGTERM"
