@@ -4,7 +4,7 @@ At S2 saturation an admission step prefills a round of 32 prompts beside 224 run
 over 100 adapters; its expand took 351 µs a call, ~5× the time to read and write the step's projection outputs
 at the copy ceiling (docs/benchmarks.md). Each row times one plan of `graph_live_segments` (only "exact" plans:
 an eager step knows its segments and its longest run) on that step's tokens, µs per layer call, and checks its
-LoRA output against the kernels' own choice ("exact"). Plan words as in graph_live_segments.py.
+LoRA output against the launch over every segment ("exact"). Plan words as in graph_live_segments.py.
 
     python -m benchmarks.kernels.admission_shapes --out admission_shapes.json
     python -m benchmarks.kernels.admission_shapes --smoke --out /tmp/a.json   # CPU interpreter, tiny shapes
@@ -19,8 +19,11 @@ import torch
 
 from benchmarks.kernels.graph_live_segments import measure, plan_arguments, report_mismatches
 
-ADMISSION_PLANS = ("exact", "exact t2", "exact w8", "exact n64", "exact n64 w8", "exact n256 w8", "exact r16",
-                   "exact s1", "exact s3", "exact m16", "exact sw8", "exact sk64", "exact ss2", "exact ss4")
+# "exact" launches every segment with the longest one's chunk count, "exact ci" one program per chunk that holds
+# tokens (the engine's eager steps); the shapes are tried on the latter.
+ADMISSION_PLANS = ("exact", "exact ci", "exact ci t2", "exact ci w8", "exact ci n64", "exact ci n64 w8",
+                   "exact ci n256 w8", "exact ci r16", "exact ci s1", "exact ci s3", "exact ci m16", "exact ci sw8",
+                   "exact ci sk64", "exact ci ss2", "exact ci ss4")
 
 
 def admission_tokens(prompts: int, running: int, distinct: int, prompt_range: tuple[int, int],
@@ -43,7 +46,7 @@ def main() -> None:
     if args.smoke:
         model, groups, device, dtype, layers = "tiny", ["qkv"], "cpu", torch.float32, 1
         token_adapter = admission_tokens(3, 5, 4, (20, 90))
-        plans, n_adapters = ("exact", "exact t2", "exact n16 w2", "exact sk16"), 8
+        plans, n_adapters = ("exact", "exact ci", "exact ci t2", "exact ci n16 w2", "exact ci sk16"), 8
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
         groups = args.groups.split(",")

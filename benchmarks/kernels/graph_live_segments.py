@@ -27,6 +27,7 @@ from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_con
 from benchmarks.kernels.timing import time_graph
 from services.gpu_worker import kernels
 from services.gpu_worker.kernels.lora_expand import choose_expand_config
+from services.gpu_worker.kernels.lora_groups import chunk_count
 from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 
 # A plan: which segments are launched ("bound": one per token, as a graph launches them, or "exact": the
@@ -34,7 +35,9 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # "m64" uses 64-token tiles (a segment of a few dozen tokens in one tile, not a loop of 16-token ones),
 # "pN" shares the segments out among N programs (no empty ones for unused segments). "exact live 16"
 # launches the exact segments with the 16-segment plan's shapes: "bound live 16" minus it is what the
-# graph's empty segment programs cost.
+# graph's empty segment programs cost. "ci" (exact plans) launches one program per chunk of a long segment
+# that holds tokens, from the step's chunk list, as the engine's eager steps do (lora_groups.ChunkItems);
+# without it every segment gets the longest one's chunk count.
 # Each kernel's launch shape can be changed on its own. Expand: "nN" N-column tiles, "rN" N rank rows a dot, "wN" N
 # warps, "sN" N pipeline stages, "tN" N column tiles walked by one program. Shrink: "skN" N-input tiles, "sxN" the
 # inputs split N ways, "srN" N rank columns a dot, "swN" N warps, "ssN" N pipeline stages.
@@ -59,6 +62,7 @@ class Plan:
     live: int | None = None
     block_m: int | None = None
     programs: int = 0
+    chunk_items: bool = False
     expand: tuple = ()  # (ExpandConfig field, value) pairs
     shrink: tuple = ()  # (ShrinkConfig field, value) pairs
 
@@ -76,6 +80,8 @@ class Plan:
                 fields["block_m"] = int(word[1:])
             elif word.startswith("p"):
                 fields["programs"] = int(word[1:])
+            elif word == "ci":
+                fields["chunk_items"] = True
             elif word[:2] in SHRINK_WORDS and word[2:].isdigit():
                 fields["shrink"] = fields.get("shrink", ()) + ((SHRINK_WORDS[word[:2]], int(word[2:])),)
             elif word[:1] in EXPAND_WORDS and word[1:].isdigit():
@@ -115,11 +121,14 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct, count_live=True)
     # An eager step knows its longest segment (prefill runs are split into chunks by it); a graph's launch
     # does not.
-    longest_run = int(torch.bincount(token_adapter.long()).max())
+    runs = [n for n in torch.bincount(token_adapter.long() + 1).tolist() if n]
+    longest_run = max(runs)
+    listed = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct, count_live=True,
+                                             num_chunks=chunk_count(runs))
     rows, deltas = [], {}
     for text in plans:
         plan = Plan.parse(text)
-        groups = exact if plan.exact else bound
+        groups = (listed if plan.chunk_items else exact) if plan.exact else bound
         longest = longest_run if plan.exact else None
         hints = {**groups.kwargs(), "live_segments": plan.live, "max_seg_len": longest}
         if not plan.programs:
@@ -160,7 +169,8 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
         deltas[text] = checked.float()
         shrink()
         row = {"model": model, "group": group, "batch": batch, "distinct_adapters": distinct, "plan": text,
-               "segments": segments, "n_split": cfg_s.n_split, "block_m": cfg_s.block_m,
+               "segments": segments, "chunk_items": groups.chunk_items.count if plan.chunk_items else 0,
+               "n_split": cfg_s.n_split, "block_m": cfg_s.block_m,
                "expand_block_n": cfg_e.block_n, "segment_programs": plan.programs, "expand": dataclasses.asdict(cfg_e),
                "shrink": dataclasses.asdict(cfg_s),
                "shrink_us": time_graph(shrink) / num_layers * 1e3, "expand_us": time_graph(expand) / num_layers * 1e3,

@@ -6,6 +6,8 @@ import random
 import subprocess
 import sys
 
+import torch
+
 from bench import REPO, child_env
 
 
@@ -26,10 +28,16 @@ def test_smoke_run_launches_the_prefill_form_and_every_plan_matches(tmp_path):
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     rows = {r["plan"]: r for r in result["rows"]}
-    assert list(rows) == ["exact", "exact t2", "exact n16 w2", "exact sk16"]
+    assert list(rows) == ["exact", "exact ci", "exact ci t2", "exact ci n16 w2", "exact ci sk16"]
     assert result["distinct_adapters"] == 4 and all(r["segments"] == 4 for r in rows.values())
-    # Runs longer than 64 tokens: the kernels split them into 64-token chunks, as an eager prefill step does.
+    # Runs longer than 64 tokens: the kernels split them into 64-token chunks, as an eager prefill step does;
+    # "ci" launches the chunks that hold tokens from the step's list, not 4 segments times the longest's chunks.
     assert rows["exact"]["expand"]["chunk_tokens"] == 64 and rows["exact"]["expand"]["tiles_per_prog"] == 1
-    assert rows["exact t2"]["expand"]["tiles_per_prog"] == 2 and rows["exact sk16"]["shrink"]["block_k"] == 16
+    from benchmarks.kernels.admission_shapes import admission_tokens
+
+    runs = torch.bincount(admission_tokens(3, 5, 4, (20, 90)).long()).tolist()  # the smoke run's step
+    assert rows["exact"]["chunk_items"] == 0
+    assert rows["exact ci"]["chunk_items"] == sum(-(-n // 64) for n in runs) < 4 * -(-max(runs) // 64)
+    assert rows["exact ci t2"]["expand"]["tiles_per_prog"] == 2 and rows["exact ci sk16"]["shrink"]["block_k"] == 16
     assert all(r["max_rel_diff_vs_exact"] < 1e-5 for r in rows.values())
     assert "tokens over 4 adapters" in run.stderr

@@ -20,8 +20,10 @@ def run(base, adapters, backend: str, device: str):
                                                       max_resident_adapters=4), backend=backend)
     for name, w in adapters.items():
         engine.register_adapter(name, w)
+    # "e" makes the first step's r16 segment longer than a 64-token chunk: its LoRA launches run from the
+    # step's chunk list.
     requests = [("a", [5, 9, 13, 2, 40, 41, 42], "r3"), ("b", [7], None), ("c", list(range(3, 22)), "r16"),
-                ("d", [11, 12, 13], "r3")]
+                ("d", [11, 12, 13], "r3"), ("e", [3 + i % 50 for i in range(70)], "r16")]
     for rid, prompt, adapter in requests:
         engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True), adapter,
                                          return_logits=True))

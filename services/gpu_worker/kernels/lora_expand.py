@@ -16,9 +16,10 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
+from .lora_groups import PREFILL_CHUNK_TOKENS
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
-    segment_programs_of,
+    segment_chunk, segment_launch, segment_programs_of,
 )
 
 
@@ -74,12 +75,12 @@ def _expand_token_kernel(
 @triton.jit(do_not_specialize=["stride_yg", "y_rank", "chunk_tokens", "num_segments", "seg_programs"])
 def _expand_segment_kernel(
     y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr, live_ptr,
-    slots_ptr, stride_slots, ranks_ptr, b_off_ptr,
+    items_ptr, stride_items, slots_ptr, stride_slots, ranks_ptr, b_off_ptr,
     out_ptr, stride_ot, W, y_rank, chunk_tokens, n_col_groups, tiles_per_prog, num_segments, seg_programs,
     M0, M1, M2, D0, D1, D2, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr,
-    SHARED: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     g = tl.program_id(2) // n_col_groups
     out_dim = module_slot(g, D0, D1, D2)
@@ -94,15 +95,16 @@ def _expand_segment_kernel(
         if HAS_LIVE:
             n_seg = tl.load(live_ptr)
         for s in range(tl.program_id(0), n_seg, seg_programs):
-            a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, m, y_rank,
-                                                chunk_tokens)
+            a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, tl.program_id(1), m,
+                                                y_rank, chunk_tokens)
             if (rank > 0) & (p_lo < p_hi):
                 _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
                                 stride_slots, b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo,
                                 n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
                                 PRECISION)
     else:
-        a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, tl.program_id(0), m, y_rank,
+        s, chunk = segment_chunk(items_ptr, stride_items, HAS_ITEMS)
+        a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank,
                                             chunk_tokens)
         if (rank == 0) | (p_lo >= p_hi):
             return
@@ -112,14 +114,14 @@ def _expand_segment_kernel(
 
 
 @triton.jit
-def _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, m, y_rank, chunk_tokens):
+def _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank, chunk_tokens):
     """Segment s's adapter (0 for base-only, whose rank is 0), its rank for module m, and the positions of
-    this program's token chunk of it."""
+    its token chunk `chunk`."""
     a = tl.load(seg_adapter_ptr + s)
     a_safe = tl.maximum(a, 0)
     rank = tl.where(a >= 0, tl.minimum(tl.load(ranks_ptr + a_safe * 7 + m), y_rank), 0)
     seg_end = tl.load(seg_start_ptr + s + 1)
-    p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
+    p_lo = tl.load(seg_start_ptr + s) + chunk * chunk_tokens
     p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
     return a_safe, rank, p_lo, p_hi
 
@@ -211,9 +213,9 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         block_n //= 2
     if segmented:
         block_m, chunk = 16, 0
-        if max_seg_len is not None and max_seg_len > 64:
+        if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
             # As in choose_shrink_config: 64-token chunks, 64-token tiles only for long segments on average.
-            chunk = 64
+            chunk = PREFILL_CHUNK_TOKENS
             block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
         # Measured at batch 256 only; the launch-shape sweep at batch 64 found several tiles a program slower.
         graph_bound = max_seg_len is None and not segment_programs
@@ -228,7 +230,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
                 seg_start: torch.Tensor | None = None, seg_adapter: torch.Tensor | None = None,
                 token_order: torch.Tensor | None = None, max_seg_len: int | None = None,
                 live_segments: int | None = None, num_live: torch.Tensor | None = None,
-                segment_programs: int = 0, config: ExpandConfig | None = None) -> None:
+                segment_programs: int = 0, chunk_items=None, config: ExpandConfig | None = None) -> None:
     """Same contract as ops.reference.lora_expand (in place on `out`); segment arguments as lora_shrink."""
     check_tensor("y", y, ndim=3, dtypes=FLOAT_DTYPES)
     device = y.device
@@ -278,17 +280,16 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         return
     longest = max_seg_len if max_seg_len is not None else num_tokens
     chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
-    n_seq_chunks = max(1, cdiv(longest, chunk))
-    if n_seq_chunks > 65535:
-        raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
     seg_programs, shared = segment_programs_of(num_segments, cfg.segment_programs, num_live, device)
-    _expand_segment_kernel[(seg_programs, n_seq_chunks, num_groups * n_col_groups)](
+    seg_axis, n_seq_chunks, items = segment_launch(seg_programs, longest, chunk, shared, chunk_items, device)
+    _expand_segment_kernel[(seg_axis, n_seq_chunks, num_groups * n_col_groups)](
         y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), seg_start, seg_adapter,
         token_order if token_order is not None else seg_start, num_live if num_live is not None else seg_start,
+        items if items is not None else seg_start, items.stride(0) if items is not None else 0,
         tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
         out, out.stride(0), width, y_rank, chunk, n_col_groups, cfg.tiles_per_prog, num_segments, seg_programs,
         m0, m1, m2, d0, d1, d2, c0, c1, c2,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
         HAS_ORDER=token_order is not None, HAS_LIVE=shared and num_live is not None, SHARED=shared,
-        PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        HAS_ITEMS=items is not None, PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -13,6 +13,30 @@ import torch
 
 from .checks import check_tensor
 
+# Long runs of one adapter (prefill) are cut into chunks of this many tokens, a program each, by both
+# shrink and expand (choose_shrink_config, choose_expand_config).
+PREFILL_CHUNK_TOKENS = 64
+
+
+@dataclass
+class ChunkItems:
+    """Every (segment, chunk) pair that holds tokens, for a launch of one program per pair: table[0] the
+    segment, table[1] the chunk's index within it (chunks of `chunk_tokens`). Without it a segment-form
+    launch covers every segment with as many chunks as the longest one has, so a prefill step (a few long
+    prompts beside many one-token decode segments) launches mostly programs that find no tokens."""
+
+    table: torch.Tensor  # int32 [2, N]
+    chunk_tokens: int
+
+    @property
+    def count(self) -> int:
+        return int(self.table.shape[1])
+
+
+def chunk_count(segment_lengths, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
+    """Chunks of `chunk_tokens` the segments of these lengths (host ints) hold."""
+    return sum(-(-n // chunk_tokens) for n in segment_lengths)
+
 
 @dataclass
 class AdapterGroups:
@@ -25,16 +49,21 @@ class AdapterGroups:
     seg_adapter: torch.Tensor  # int32 [S]
     # int32 [1], when asked for: segments 0 .. num_live - 1 hold tokens, the rest are empty.
     num_live: torch.Tensor | None = None
+    chunk_items: ChunkItems | None = None  # when asked for (an eager step with long segments)
 
     def kwargs(self) -> dict:
         out = {"seg_start": self.seg_start, "seg_adapter": self.seg_adapter, "token_order": self.token_order}
         if self.num_live is not None:
             out["num_live"] = self.num_live
+        if self.chunk_items is not None:
+            out["chunk_items"] = self.chunk_items
         return out
 
 
 def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | None = None,
-                            num_distinct: int | None = None, count_live: bool = False) -> AdapterGroups:
+                            num_distinct: int | None = None, count_live: bool = False,
+                            num_chunks: int | None = None,
+                            chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> AdapterGroups:
     """Sort tokens by adapter (stable) and cut the sorted order into runs of one adapter.
 
     max_adapters (resident table rows; adapter ids lie in 0 .. max_adapters - 1) bounds the number of
@@ -42,7 +71,9 @@ def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | Non
     instead of one per token. num_distinct, when the caller knows it (an eager step built on the host), is
     the exact number of distinct ids, base-only included: it must not be an underestimate. count_live also
     leaves the number of segments in use on the device (for kernels that share segments out among fewer
-    programs; one more small op per step, so only when asked)."""
+    programs; one more small op per step, so only when asked). num_chunks, when the host knows it (the
+    chunks of `chunk_tokens` its segments hold, chunk_count; with num_distinct exact), also lists them
+    (ChunkItems), a few more small ops per step, none of them a host sync."""
     check_tensor("token_adapter", token_adapter, ndim=1, dtypes=(torch.int32,), contiguous=True)
     device = token_adapter.device
     num_tokens = token_adapter.shape[0]
@@ -63,4 +94,19 @@ def group_tokens_by_adapter(token_adapter: torch.Tensor, max_adapters: int | Non
     seg_adapter = torch.full((num_segments,), -1, dtype=torch.int32, device=device)
     seg_adapter.scatter_(0, seg_id, sorted_adapter)
     num_live = (seg_id[-1:] + 1).to(torch.int32) if count_live else None
-    return AdapterGroups(order.to(torch.int32), seg_start[: num_segments + 1].to(torch.int32), seg_adapter, num_live)
+    seg_start = seg_start[: num_segments + 1]
+    items = None
+    if num_chunks is not None:
+        items = ChunkItems(_chunk_table(seg_start, chunk_tokens, num_chunks), chunk_tokens)
+    return AdapterGroups(order.to(torch.int32), seg_start.to(torch.int32), seg_adapter, num_live, items)
+
+
+def _chunk_table(seg_start: torch.Tensor, chunk_tokens: int, num_chunks: int) -> torch.Tensor:
+    """ChunkItems.table for segments bounded by seg_start (int64 [S + 1]); num_chunks must be their exact
+    chunk count (output_size keeps repeat_interleave from reading it back from the device)."""
+    per_segment = (seg_start[1:] - seg_start[:-1] + chunk_tokens - 1) // chunk_tokens
+    segment = torch.arange(per_segment.shape[0], device=seg_start.device)
+    item_segment = torch.repeat_interleave(segment, per_segment, output_size=num_chunks)
+    first_item = torch.cumsum(per_segment, 0) - per_segment
+    index = torch.arange(num_chunks, device=seg_start.device) - first_item[item_segment]
+    return torch.stack([item_segment, index]).to(torch.int32)

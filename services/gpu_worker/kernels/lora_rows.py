@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..ops.meta import LoraTables
-from .checks import FLOAT_DTYPES, check_tensor, require
+from .checks import FLOAT_DTYPES, cdiv, check_tensor, require
 
 
 @triton.jit
@@ -38,6 +38,19 @@ def load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, c0, 
         slot = tl.load(entry[:, None] + chunk[None, :], mask=mask, other=0)
         offs = slot.to(tl.int64) * stride_buf + (c0 + cols - chunk * W)[None, :]
     return tl.load(buf_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def segment_chunk(items_ptr, stride_items, HAS_ITEMS: tl.constexpr):
+    """The (segment, chunk) a one-program-a-segment launch gives this program: from the chunk list when
+    there is one (program_id(0) indexes it), else program_id(0) is the segment and program_id(1) the chunk."""
+    if HAS_ITEMS:
+        s = tl.load(items_ptr + tl.program_id(0))
+        chunk = tl.load(items_ptr + stride_items + tl.program_id(0))
+    else:
+        s = tl.program_id(0)
+        chunk = tl.program_id(1)
+    return s, chunk
 
 
 @triton.jit
@@ -76,6 +89,25 @@ def segment_programs_of(num_segments: int, segment_programs: int, num_live,
     if shared and num_live is not None:
         check_tensor("num_live", num_live, ndim=1, dtypes=(torch.int32,), device=device)
     return programs, shared
+
+
+def segment_launch(seg_programs: int, longest: int, chunk: int, shared: bool, chunk_items,
+                   device: torch.device) -> tuple[int, int, torch.Tensor | None]:
+    """The segment and chunk axes of a segment-form launch (programs along each; seg_programs from
+    segment_programs_of), and the chunk list it reads (None: every segment gets the longest one's chunk
+    count). A chunk list of this launch's chunk size replaces the two axes with one program per chunk that
+    holds tokens; launches that share segments out among fewer programs (a CUDA graph's) ignore it."""
+    if chunk_items is not None and not shared and chunk_items.chunk_tokens == chunk and chunk_items.count > 0:
+        check_tensor("chunk_items.table", chunk_items.table, ndim=2, dtypes=(torch.int32,), device=device,
+                     contiguous=True)
+        require(chunk_items.table.shape[0] == 2, "chunk_items.table must be [2, N]")
+        if chunk_items.count > 2**31 - 1:
+            raise ValueError(f"{chunk_items.count} chunks; at most 2**31 - 1")
+        return chunk_items.count, 1, chunk_items.table
+    n_seq_chunks = max(1, cdiv(longest, chunk))
+    if n_seq_chunks > 65535:
+        raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
+    return seg_programs, n_seq_chunks, None
 
 
 def check_segments(num_tokens: int, device: torch.device, seg_start, seg_adapter, token_order) -> None:

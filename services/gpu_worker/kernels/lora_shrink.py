@@ -21,9 +21,10 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
+from .lora_groups import PREFILL_CHUNK_TOKENS
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
-    segment_programs_of,
+    segment_chunk, segment_launch, segment_programs_of,
 )
 
 
@@ -110,14 +111,14 @@ def _shrink_token_kernel(
                                "num_segments", "seg_programs"])
 def _shrink_segment_kernel(
     x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr, live_ptr,
-    slots_ptr, stride_slots, ranks_ptr, a_off_ptr,
+    items_ptr, stride_items, slots_ptr, stride_slots, ranks_ptr, a_off_ptr,
     out_ptr, stride_og, stride_ot,
     num_tokens, fan_in, W, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk_tokens, n_r_tiles,
     num_segments, seg_programs,
     M0, M1, M2,
     NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    HAS_LIVE: tl.constexpr, SHARED: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_LIVE: tl.constexpr, SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(2)
     split = pid % n_split
@@ -136,12 +137,14 @@ def _shrink_segment_kernel(
         for s in range(tl.program_id(0), n_seg, seg_programs):
             _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
                             slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-                            num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, split, g, m, r_tile, k_lo,
-                            k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION)
+                            num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, tl.program_id(1), split, g,
+                            m, r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
+                            HAS_ORDER, PRECISION)
     else:
+        s, chunk = segment_chunk(items_ptr, stride_items, HAS_ITEMS)
         _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
                         slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-                        num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, tl.program_id(0), split, g, m,
+                        num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, chunk, split, g, m,
                         r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER,
                         PRECISION)
 
@@ -150,12 +153,12 @@ def _shrink_segment_kernel(
 def _shrink_segment(
     x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
     slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, split, g, m, r_tile, k_lo, k_hi,
+    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, chunk, split, g, m, r_tile, k_lo, k_hi,
     NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One segment's token chunk of one program's (module, rank tile, input split)."""
+    """Segment s's token chunk `chunk`, for one program's (module, rank tile, input split)."""
     a = tl.load(seg_adapter_ptr + s)
     a_safe = tl.maximum(a, 0)
     rank = tl.load(ranks_ptr + a_safe * 7 + m)
@@ -163,7 +166,7 @@ def _shrink_segment(
     first = tl.load(a_off_ptr + a_safe * 7 + m)
     list_ptr = slots_ptr + a_safe.to(tl.int64) * stride_slots
     seg_end = tl.load(seg_start_ptr + s + 1)
-    p_lo = tl.load(seg_start_ptr + s) + tl.program_id(1) * chunk_tokens
+    p_lo = tl.load(seg_start_ptr + s) + chunk * chunk_tokens
     p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
     rows = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < rank
@@ -275,10 +278,10 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     if segmented:
         n_units = planned_segments(num_segments if num_segments is not None else num_tokens, live_segments,
                                    segment_programs)
-        if max_seg_len is not None and max_seg_len > 64:
+        if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
             # Long runs (prefill) are cut into 64-token chunks, one program each. 64-token tiles only when
             # segments are long on average; a decode step grouped by adapter has a few tokens a segment.
-            chunk = 64
+            chunk = PREFILL_CHUNK_TOKENS
             block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
             n_units = num_segments * cdiv(max_seg_len, chunk) if num_segments else cdiv(num_tokens, chunk)
     else:
@@ -294,7 +297,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
                 modules: tuple[int, ...], max_rank: int, *, seg_start: torch.Tensor | None = None,
                 seg_adapter: torch.Tensor | None = None, token_order: torch.Tensor | None = None,
                 max_seg_len: int | None = None, live_segments: int | None = None, num_live: torch.Tensor | None = None,
-                segment_programs: int = 0, out: torch.Tensor | None = None,
+                segment_programs: int = 0, chunk_items=None, out: torch.Tensor | None = None,
                 config: ShrinkConfig | None = None) -> torch.Tensor:
     """Same contract as ops.reference.lora_shrink: `[len(modules), T, max_rank]` in x's dtype.
 
@@ -306,6 +309,8 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     when seg_adapter is only a bound (a CUDA graph's one segment per token; see choose_shrink_config); it
     never changes results. segment_programs (see choose_shrink_config) with num_live (int32 [1] on the device:
     how many segments, from the first, hold tokens; optional) lets fewer programs than segments cover them.
+    chunk_items (lora_groups.ChunkItems, optional) lists the (segment, chunk) pairs that hold tokens: a launch
+    cutting long segments into chunks of its size then runs one program per pair (segment_launch).
     `out` may be given to write into
     (for example a buffer reused across CUDA graph replays)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -358,20 +363,20 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     else:
         longest = max_seg_len if max_seg_len is not None else num_tokens
         chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
-        n_seq_chunks = max(1, cdiv(longest, chunk))
-        if n_seq_chunks > 65535:
-            raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         seg_programs, shared = segment_programs_of(num_segments, cfg.segment_programs, num_live, device)
-        _shrink_segment_kernel[(seg_programs, n_seq_chunks, num_groups * r_tiles * n_split)](
+        seg_axis, n_seq_chunks, items = segment_launch(seg_programs, longest, chunk, shared, chunk_items, device)
+        _shrink_segment_kernel[(seg_axis, n_seq_chunks, num_groups * r_tiles * n_split)](
             x, x.stride(0), k_buf, k_buf.stride(0), seg_start, seg_adapter,
             token_order if token_order is not None else seg_start, num_live if num_live is not None else seg_start,
+            items if items is not None else seg_start, items.stride(0) if items is not None else 0,
             tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
             dst, out.stride(0), out.stride(1),
             num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk, r_tiles,
             num_segments, seg_programs,
             m0, m1, m2, BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None,
-            HAS_LIVE=shared and num_live is not None, SHARED=shared, PRECISION=precision, **common)
+            HAS_LIVE=shared and num_live is not None, SHARED=shared, HAS_ITEMS=items is not None,
+            PRECISION=precision, **common)
     if split:
         block_r = min(next_pow2(rows_p), 256)
         _shrink_finalize_kernel[(num_tokens, num_groups, cdiv(rows_p, block_r))](

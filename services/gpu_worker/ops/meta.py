@@ -52,6 +52,9 @@ class LoraBatch:
     # None = unknown (a CUDA graph), bounded by the resident table's rows. The segment kernels launch a
     # program grid per segment, so an exact count keeps a prefill step from launching millions of empty ones.
     num_segments: int | None = None
+    # Tokens of each of those segments (host ints, any order; None = unknown): lets a prefill step launch
+    # one program per chunk of a long segment that holds tokens.
+    segment_lengths: tuple[int, ...] | None = None
     # A CUDA graph's launch plan (num_segments None): how many of its segments may carry tokens (None = all)
     # and how many programs per column tile share them out (0 = one per segment). Never changes results.
     live_segments: int | None = None

@@ -92,6 +92,7 @@ def encode_step(batch: ForwardBatch, loads: list[AdapterLoad]) -> tuple[bytes, l
         "max_rank": None if lora is None else list(lora.max_rank),
         "max_seg_len": None if lora is None else lora.max_seg_len,
         "num_segments": None if lora is None else lora.num_segments,
+        "segment_lengths": None if lora is None or lora.segment_lengths is None else list(lora.segment_lengths),
         "loads": [load.header() for load in loads],
     }
     frames = [tensor_frame(t) for t in tensors.values()]
@@ -133,7 +134,8 @@ def decode_step(header_bytes, frames: list, tables: LoraTables, device: torch.de
     lora = None
     if header["max_rank"] is not None:
         lora = LoraBatch(tables=tables, token_adapter=t["token_adapter"], max_rank=tuple(header["max_rank"]),
-                         max_seg_len=header.get("max_seg_len"), num_segments=header.get("num_segments"))
+                         max_seg_len=header.get("max_seg_len"), num_segments=header.get("num_segments"),
+                         segment_lengths=tuple(header["segment_lengths"]) if header.get("segment_lengths") else None)
     batch = ForwardBatch(input_ids=t["input_ids"], positions=t["positions"], out_slots=t["out_slots"], attn=attn,
                          lora=lora, logits_index=torch.empty(0, dtype=torch.long, device=device))
     out = []
