@@ -47,11 +47,12 @@ RESULT_TOLERANCE = 2e-2
 PLANS = ("bound", "bound live 4", "bound live 8", "bound live 16", "bound live 32", "bound live 64",
          "bound live 16 m64", "bound live 16 p16", "bound live 16 p32", "bound live 16 p64", "bound live 32 p32",
          "exact live 16", "exact")
-# Launch shapes tried against the default choice (--plans shapes); the graph's launch first (most of decode), then
-# an eager step's exact segments.
+# Launch shapes tried against the default choice (--plans shapes); the graph's launch first (most of decode; the
+# "p128" ones share a many-adapter step's segments among 128 programs), then an eager step's exact segments.
 SHAPE_PLANS = ("bound", "bound t1", "bound r16", "bound t4", "bound w2", "bound r16 w2", "bound n64", "bound n64 t4",
                "bound sw8", "bound sw2", "bound sk64", "bound sk256", "bound sx2", "bound sr16", "bound ss1",
-               "bound ss3", "exact", "exact t2", "exact r16 t2", "exact sw8")
+               "bound ss3", "bound live 128 p128 t2", "bound live 256 p128 t2", "exact", "exact t2", "exact r16 t2",
+               "exact sw8")
 EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog"}
 SHRINK_WORDS = {"sk": "block_k", "sx": "n_split", "sr": "block_r", "sw": "num_warps", "ss": "num_stages"}
 
