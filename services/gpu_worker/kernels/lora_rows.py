@@ -101,8 +101,6 @@ def segment_launch(seg_programs: int, longest: int, chunk: int, shared: bool, ch
         check_tensor("chunk_items.table", chunk_items.table, ndim=2, dtypes=(torch.int32,), device=device,
                      contiguous=True)
         require(chunk_items.table.shape[0] == 2, "chunk_items.table must be [2, N]")
-        if chunk_items.count > 2**31 - 1:
-            raise ValueError(f"{chunk_items.count} chunks; at most 2**31 - 1")
         return chunk_items.count, 1, chunk_items.table
     n_seq_chunks = max(1, cdiv(longest, chunk))
     if n_seq_chunks > 65535:
