@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.plot_steps import KINDS
 from bench.plots import read_lines
 
 ROOFLINE_TARGET = 0.6
@@ -96,7 +97,7 @@ def where_the_time_goes(a: dict, b: dict) -> str:
         return f"{s['share']:.0%}" if s.get("share") is not None else "—"
 
     parts = []
-    for kind, name in (("graph", "graph decode"), ("decode", "eager decode"), ("prefill", "prefill")):
+    for kind, name in KINDS:
         x, y = a.get(kind) or {}, b.get(kind) or {}
         if not (x.get("steps") or y.get("steps")):
             continue

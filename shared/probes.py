@@ -102,6 +102,17 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def metric_samples(text: str) -> list:
+    """Every sample of a Prometheus text."""
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metric_sum(samples: list, name: str, **labels) -> float:
+    """Sum of every sample `name` whose labels include `labels` (0 when there is none)."""
+    want = {k: str(v) for k, v in labels.items()}
+    return sum(s.value for s in samples if s.name == name and want.items() <= s.labels.items())
+
+
 def metric(text: str, name: str, **labels) -> float | None:
     """Value of the sample `name{labels}` (labels matched exactly, in any order) in Prometheus text, or None."""
     wanted = {k: str(v) for k, v in labels.items()}

@@ -119,21 +119,22 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     out = torch.randn(batch, sum(out_dims), generator=gen).to(device, dtype)
     max_rank = 64  # a decode graph's rank bucket for mixed ranks up to 64
     bound = kernels.group_tokens_by_adapter(token_adapter, count_live=True)  # a segment per token, as in a graph
-    exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct, count_live=True)
-    # An eager step knows its longest segment (prefill runs are split into chunks by it); a graph's launch
-    # does not.
+    # An eager step knows its segments: their count, the longest (prefill runs are split into chunks by it)
+    # and the chunks that hold tokens; a graph's launch knows none of them.
     runs = [n for n in torch.bincount(token_adapter.long() + 1).tolist() if n]
     longest_run = max(runs)
-    listed = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct, count_live=True,
-                                             num_chunks=chunk_count(runs))
+    exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct, count_live=True,
+                                            num_chunks=chunk_count(runs))
     rows, deltas = [], {}
     for text in plans:
         plan = Plan.parse(text)
-        groups = (listed if plan.chunk_items else exact) if plan.exact else bound
+        groups = exact if plan.exact else bound
         longest = longest_run if plan.exact else None
         hints = {**groups.kwargs(), "live_segments": plan.live, "max_seg_len": longest}
         if not plan.programs:
             hints.pop("num_live")  # one program per segment, as the engine launches them by default
+        if not plan.chunk_items:
+            hints.pop("chunk_items", None)  # every segment gets the longest one's chunk count
         segments = groups.seg_adapter.shape[0]
         # "exact live N" keeps the bound's launch shapes (split, tiles), only without its empty segments.
         planned_for = bound.seg_adapter.shape[0] if plan.exact and plan.live else segments

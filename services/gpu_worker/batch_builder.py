@@ -66,7 +66,6 @@ def build_batch(scheduled: list[tuple[Sequence, int]], tables: LoraTables, page_
         for seq, n in scheduled:
             per_adapter[seq.adapter.resident_id if seq.adapter is not None else -1] += n
         lora = LoraBatch(tables=tables, token_adapter=adapters, max_rank=tuple(max_rank),
-                         max_seg_len=max(per_adapter.values()), num_segments=len(per_adapter),
                          segment_lengths=tuple(per_adapter.values()))
     batch = ForwardBatch(input_ids=ids, positions=pos, out_slots=slots, attn=attn, lora=lora, logits_index=logits_idx)
     return batch, samplers

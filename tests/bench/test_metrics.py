@@ -13,7 +13,7 @@ import pytest
 from bench.client import RequestRecord, run_trace
 from bench.metrics import ServerSampler, _CounterDelta, summarize
 from bench.workload import TraceRequest
-from shared.probes import free_port, metric
+from shared.probes import free_port, metric, metric_samples, metric_sum
 from shared.tiny_model import VOCAB_SIZE
 from tests.e2e.conftest import upload
 
@@ -91,8 +91,7 @@ def scrape(stack) -> str:
 
 
 def step_tokens(text: str) -> float:
-    return sum(metric(text, "loraplex_worker_step_tokens_total", worker="worker-0", kind=k) or 0.0
-               for k in ("graph", "decode", "prefill"))
+    return metric_sum(metric_samples(text), "loraplex_worker_step_tokens_total", worker="worker-0")
 
 
 def settled(stack, timeout_s: float = 20.0) -> str:

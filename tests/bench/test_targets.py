@@ -77,6 +77,6 @@ def test_a_missed_ratio_says_where_the_time_goes_when_both_points_recorded_it(tm
         line("loraplex", 5, 29.9, 45.1), line("loraplex", 2000, 24.6, 39.8)])  # no steps recorded: no account
     v = {x.target: x for x in verdicts([sat])}
     assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == (
-        "missed; graph decode steps 21.8 vs 17.8 ms (69% vs 70% of step time), "
+        "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time), "
         "prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time)")
     assert v["S2 n = 2000 ≥ 0.9 × n = 5"].status == "missed, beyond the roofline"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from shared.probes import metric_samples, metric_sum  # noqa: F401  (metric_sum: for the tests here)
 
 from tests.e2e.conftest import REPO  # noqa: F401  (the repository root, for subprocesses)
 from tests.reliability.conftest import Stack
@@ -84,13 +84,7 @@ def page(browser):
 # ---- reading /metrics -----------------------------------------------------------------------------------
 
 def samples(stack: Stack) -> list:
-    return [s for family in text_string_to_metric_families(stack.metrics()) for s in family.samples]
-
-
-def metric_sum(all_samples: list, name: str, **labels) -> float:
-    """Sum of every sample `name` whose labels include `labels` (0 when there is none)."""
-    want = {k: str(v) for k, v in labels.items()}
-    return sum(s.value for s in all_samples if s.name == name and want.items() <= s.labels.items())
+    return metric_samples(stack.metrics())
 
 
 def settled_samples(stack: Stack, timeout_s: float = 20.0) -> list:

@@ -11,9 +11,8 @@ import threading
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from shared.probes import metric
+from shared.probes import metric, metric_samples, metric_sum
 from tests.e2e.conftest import MAX_QUEUE, MAX_RUNNING
 
 # The tiny model's whole context less the prompt: requests that must still be running when a test acts on
@@ -43,8 +42,7 @@ def wait_idle(stack, timeout_s: float = 60.0) -> str:
 
 def step_tokens(text: str) -> float:
     """Tokens worker-0's engine steps have computed, all kinds of step together."""
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "loraplex_worker_step_tokens_total" and s.labels.get("worker") == "worker-0")
+    return metric_sum(metric_samples(text), "loraplex_worker_step_tokens_total", worker="worker-0")
 
 
 def test_full_queue_is_429_with_retry_after(stack):

@@ -99,11 +99,9 @@ def test_a_prefill_step_gets_its_chunk_list_and_a_decode_step_none():
     rows = torch.zeros(8, 7, dtype=torch.int32)
     tables = LoraTables(slots=torch.zeros(8, 4, dtype=torch.int32), ranks=rows, a_off=rows, b_off=rows)
     token_adapter = torch.tensor([3] * 100 + [-1] * 3 + [0], dtype=torch.int32)
-    prefill = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(8,) * 7, max_seg_len=100,
-                        num_segments=3, segment_lengths=(100, 3, 1))
+    prefill = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(8,) * 7, segment_lengths=(100, 3, 1))
     prepare_lora(prefill)
     assert prefill.kernel_args["chunk_items"].table.tolist() == [[0, 1, 2, 2], [0, 0, 0, 1]]
-    decode = LoraBatch(tables=tables, token_adapter=token_adapter[100:], max_rank=(8,) * 7, max_seg_len=3,
-                       num_segments=2, segment_lengths=(3, 1))
+    decode = LoraBatch(tables=tables, token_adapter=token_adapter[100:], max_rank=(8,) * 7, segment_lengths=(3, 1))
     prepare_lora(decode)  # no segment longer than a chunk: nothing to list
     assert "chunk_items" not in decode.kernel_args

@@ -74,8 +74,8 @@ def test_a_graph_step_launches_a_segment_per_token_under_its_plan(live, programs
     assert ("num_live" in graph.kernel_args) == (programs > 0)
     if programs:
         assert graph.kernel_args["num_live"].tolist() == [3]
-    eager = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(64,) * 7, max_seg_len=128,
-                      num_segments=3, live_segments=live, segment_programs=programs)
+    eager = LoraBatch(tables=tables, token_adapter=token_adapter, max_rank=(64,) * 7, segment_lengths=(128, 64, 64),
+                      live_segments=live, segment_programs=programs)
     prepare_lora(eager)  # the host knows the step's segments: the graph plan does not apply
     assert eager.kernel_args["seg_adapter"].shape[0] == 3 and eager.kernel_args["live_segments"] is None
     assert eager.kernel_args["segment_programs"] == 0 and "num_live" not in eager.kernel_args

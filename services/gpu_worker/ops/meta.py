@@ -45,22 +45,25 @@ class LoraBatch:
     tables: LoraTables
     token_adapter: torch.Tensor  # int32 [T]
     max_rank: tuple[int, ...]  # per module, over this step's adapters
-    # Most tokens any one adapter has in this step (known on the host at build time; None = unknown, e.g.
-    # in a CUDA graph). Kernels use it to split long prefill segments; it must not be an underestimate.
-    max_seg_len: int | None = None
-    # Distinct adapter ids among the step's tokens (base-only counts as one), known on the host at build time;
-    # None = unknown (a CUDA graph), bounded by the resident table's rows. The segment kernels launch a
-    # program grid per segment, so an exact count keeps a prefill step from launching millions of empty ones.
-    num_segments: int | None = None
-    # Tokens of each of those segments (host ints, any order; None = unknown): lets a prefill step launch
-    # one program per chunk of a long segment that holds tokens.
+    # Tokens of each distinct adapter id among the step's tokens (base-only counts as one; host ints, any
+    # order), known on the host at build time; None = unknown (a CUDA graph). From it the segment kernels
+    # launch exactly the step's segments (num_segments), split long prefill runs (max_seg_len) and list the
+    # chunks that hold tokens.
     segment_lengths: tuple[int, ...] | None = None
-    # A CUDA graph's launch plan (num_segments None): how many of its segments may carry tokens (None = all)
+    # A CUDA graph's launch plan (segment_lengths None): how many of its segments may carry tokens (None = all)
     # and how many programs per column tile share them out (0 = one per segment). Never changes results.
     live_segments: int | None = None
     segment_programs: int = 0
     # Backend-specific launch hints (e.g. tokens grouped by adapter); they never change results.
     kernel_args: dict = field(default_factory=dict)
+
+    @property
+    def num_segments(self) -> int | None:
+        return None if self.segment_lengths is None else len(self.segment_lengths)
+
+    @property
+    def max_seg_len(self) -> int | None:
+        return None if self.segment_lengths is None else max(self.segment_lengths)
 
     def group_max_rank(self, modules: tuple[int, ...]) -> int:
         return max(self.max_rank[m] for m in modules)

@@ -16,14 +16,14 @@ __all__ = ["write_kv", "attention", "lora_shrink", "lora_expand", "prepare_lora"
 def prepare_lora(lora: LoraBatch) -> None:
     """Sort the step's tokens by adapter on the device (no host sync), so each adapter's rows are read once
     per step by the segment form of shrink and expand, at decode and prefill alike."""
-    graph = lora.num_segments is None
+    graph = lora.segment_lengths is None
     # A graph launches a segment per token; the host has planned it for `live_segments` busy ones at most
     # (cuda_graphs.py), and steps whose adapters the host knows launch exactly their segments.
     programs = lora.segment_programs if graph else 0
     # A step with long segments (prefill) lists the chunks that hold tokens, so its launches run only those
     # instead of every segment times the longest one's chunk count.
-    long_segments = not graph and lora.max_seg_len is not None and lora.max_seg_len > PREFILL_CHUNK_TOKENS
-    num_chunks = chunk_count(lora.segment_lengths) if long_segments and lora.segment_lengths else None
+    long_segments = not graph and lora.max_seg_len > PREFILL_CHUNK_TOKENS
+    num_chunks = chunk_count(lora.segment_lengths) if long_segments else None
     groups = group_tokens_by_adapter(lora.token_adapter, lora.tables.ranks.shape[0], lora.num_segments,
                                      count_live=programs > 0, num_chunks=num_chunks)
     lora.kernel_args = {**groups.kwargs(), "max_seg_len": lora.max_seg_len,

@@ -90,8 +90,6 @@ def encode_step(batch: ForwardBatch, loads: list[AdapterLoad]) -> tuple[bytes, l
         "tensors": [[name, *tensor_meta(t)] for name, t in tensors.items()],
         "max_q_len": attn.max_q_len, "max_ctx_len": attn.max_ctx_len, "decode_only": attn.decode_only,
         "max_rank": None if lora is None else list(lora.max_rank),
-        "max_seg_len": None if lora is None else lora.max_seg_len,
-        "num_segments": None if lora is None else lora.num_segments,
         "segment_lengths": None if lora is None or lora.segment_lengths is None else list(lora.segment_lengths),
         "loads": [load.header() for load in loads],
     }
@@ -134,8 +132,7 @@ def decode_step(header_bytes, frames: list, tables: LoraTables, device: torch.de
     lora = None
     if header["max_rank"] is not None:
         lora = LoraBatch(tables=tables, token_adapter=t["token_adapter"], max_rank=tuple(header["max_rank"]),
-                         max_seg_len=header.get("max_seg_len"), num_segments=header.get("num_segments"),
-                         segment_lengths=tuple(header["segment_lengths"]) if header.get("segment_lengths") else None)
+                         segment_lengths=None if header["segment_lengths"] is None else tuple(header["segment_lengths"]))
     batch = ForwardBatch(input_ids=t["input_ids"], positions=t["positions"], out_slots=t["out_slots"], attn=attn,
                          lora=lora, logits_index=torch.empty(0, dtype=torch.long, device=device))
     out = []
