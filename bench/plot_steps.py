@@ -10,13 +10,15 @@ from pathlib import Path
 KINDS = (("graph", "decode (graph)"), ("decode", "decode (eager)"), ("prefill", "prefill"))
 
 
-def point_label(line: dict) -> str:
+def point_label(line: dict, show_policy: bool = False) -> str:
+    """A point's name on the figure; the policy only where it is not the default or the figure mixes them."""
     label = f"{line['setting']} {line['system']}"
     if line["system"] != "base-only":
         label += f" n={line['n_adapters']}"
     for key, short in (("req_rate", "R"), ("cv", "cv")):
         label += f" {short}={line[key]:g}"
-    return label + (f" {line['policy']}" if line.get("policy") not in (None, "early-abort") else "")
+    policy = line.get("policy")
+    return label + (f" {policy}" if policy and (show_policy or policy != "early-abort") else "")
 
 
 def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
@@ -30,7 +32,8 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [point_label(line) for line in rows]
+    mixed = len({line.get("policy") for line in rows}) > 1
+    labels = [point_label(line, show_policy=mixed) for line in rows]
     fig_height = 2.0 + 0.45 * len(rows)  # inches: title, axis labels and legend, then a band per point
     fig, (share_ax, mean_ax) = plt.subplots(1, 2, figsize=(13, fig_height), squeeze=True)
     drawn: dict[str, dict] = {"share": {}, "mean_ms": {}}

@@ -73,7 +73,8 @@ def _label(keys: tuple[str, ...], values: tuple, varying: list[int]) -> str:
     return " ".join(parts)
 
 
-def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: str, logx: bool, path: Path) -> dict:
+def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: str, logx: bool, path: Path,
+            log_base: int = 10) -> dict:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,7 +90,10 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
             style = {"linestyle": "--", "marker": "x", "alpha": 0.7} if dashed else {"marker": "o"}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, **style)
         if logx:
-            ax.set_xscale("log")
+            ax.set_xscale("log", base=log_base)
+            if log_base != 10:  # doubling steps (cv 1, 2, 4, 8) read best labelled with their own values
+                xs = sorted({p[0] for pts in series.values() for p in pts})
+                ax.set_xticks(xs, [f"{x:g}" for x in xs])
         ax.set_ylim(bottom=0)  # ratios between lines read true only from a zero baseline
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -144,7 +148,7 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
         if (setting,) in satisfaction:
             panels.append(("user satisfaction", "user_satisfaction", satisfaction[(setting,)]))
         written[str(png)] = _figure(panels, f"{setting}: SLO attainment vs burstiness, by admission policy",
-                                    "arrival cv", False, png)
+                                    "arrival cv", True, png, log_base=2)
 
     png = out_dir / f"{stem}-worker-steps.png"
     steps = plot_steps(lines, f"{stem}: where the worker's step time went", png)

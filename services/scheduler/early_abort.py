@@ -10,32 +10,67 @@ from services.scheduler.waiting_queue import QueuedRequest, WaitingQueue
 
 
 class PrefillEstimator:
-    """Seconds from assignment to first token for a prompt of n tokens: `overhead + n * per_token`.
+    """Seconds from assignment to first token for a prompt of n tokens, learned from what the workers do.
 
-    Starts from configured values and follows what the workers actually do: every observed first token
-    updates the per-token cost by an exponential moving average.
+    Each observed first token is a sample (prompt tokens, seconds). The estimate is an exponentially
+    weighted least-squares line through them, `mean_s + slope * (n - mean_n)`. Most of those seconds are
+    not the request's own prefill: it waits at the worker for a place in the batch, and its first token
+    comes at the end of a step that prefills the whole admission round. A per-token cost taken from each
+    sample on its own (seconds / n) would charge that wait to the prompt's length: an 8-token prompt that
+    waited 1 s reads as 0.12 s a token, the estimate for a long prompt swings past the SLO, and requests
+    that just arrived are aborted as hopeless. The line puts the shared wait in its level and only what
+    grows with the prompt in its slope. Until the samples' prompt lengths spread, the slope is the
+    configured one.
     """
 
-    def __init__(self, overhead_s: float = 0.02, per_token_s: float = 1e-4, smoothing: float = 0.2):
+    # Prompt lengths must spread this much (variance, tokens^2) before the fitted slope is trusted.
+    MIN_SPREAD = 16.0
+
+    def __init__(self, overhead_s: float = 0.02, per_token_s: float = 1e-4, smoothing: float = 0.05):
         if overhead_s < 0 or per_token_s < 0:
             raise ValueError("prefill estimate terms must be >= 0")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.overhead_s = overhead_s
-        self.per_token_s = per_token_s
+        self.prior_per_token_s = per_token_s
         self.smoothing = smoothing
         self.longest_prompt = 0
+        self.samples = 0
+        self.mean_n = 0.0
+        self.mean_s = overhead_s
+        self.var_n = 0.0
+        self.cov_ns = 0.0
+
+    @property
+    def per_token_s(self) -> float:
+        """The line's slope: seconds each further prompt token adds (never negative)."""
+        if self.var_n < self.MIN_SPREAD:
+            return self.prior_per_token_s
+        return max(0.0, self.cov_ns / self.var_n)
 
     def estimate(self, prompt_tokens: int) -> float:
-        return self.overhead_s + prompt_tokens * self.per_token_s
+        if self.samples == 0:
+            return self.overhead_s + prompt_tokens * self.prior_per_token_s
+        return max(0.0, self.mean_s + self.per_token_s * (prompt_tokens - self.mean_n))
 
     def note_prompt(self, prompt_tokens: int) -> None:
         self.longest_prompt = max(self.longest_prompt, prompt_tokens)
 
     def observe(self, prompt_tokens: int, seconds: float) -> None:
         """A request of `prompt_tokens` took `seconds` from assignment to its first token."""
-        if prompt_tokens <= 0 or seconds <= 0:
+        if prompt_tokens <= 0 or seconds < 0:
             return
-        sample = max(0.0, seconds - self.overhead_s) / prompt_tokens
-        self.per_token_s += self.smoothing * (sample - self.per_token_s)
+        self.samples += 1
+        if self.samples == 1:
+            self.mean_n, self.mean_s = float(prompt_tokens), float(seconds)
+            return
+        a = self.smoothing
+        dn, ds = prompt_tokens - self.mean_n, seconds - self.mean_s
+        self.mean_n += a * dn
+        self.mean_s += a * ds
+        # Exponentially weighted (co)variance, updated in one pass (West's incremental form).
+        self.var_n = (1 - a) * (self.var_n + a * dn * dn)
+        self.cov_ns = (1 - a) * (self.cov_ns + a * dn * ds)
 
 
 def hopeless(queue: WaitingQueue, now: float, slo_s: float, estimator: PrefillEstimator) -> list[QueuedRequest]:

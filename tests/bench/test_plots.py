@@ -133,3 +133,15 @@ def test_worker_steps_figure_shows_each_points_shares_and_mean_steps(tmp_path):
     assert drawn[png]["mean_ms"]["decode"][0] == (labels[0], 0.0)
     # No line with worker steps: no figure.
     assert not any(k.endswith("worker-steps.png") for k in plot_file(write(tmp_path / "old.jsonl", lines[2:]), tmp_path))
+
+
+def test_worker_steps_of_a_policy_sweep_name_every_points_policy(tmp_path):
+    ws = steps((100, 2.0), (0, 0.0), (10, 1.0))
+    lines = [line(policy=p, cv=8.0, rate=24.0, worker_steps=ws) for p in ("early-abort", "fcfs")]
+    drawn = plot_file(write(tmp_path / "cv.jsonl", lines))
+    labels = [label for label, _ in drawn[str(tmp_path / "cv-worker-steps.png")]["share"]["graph"]]
+    assert labels == ["S2 loraplex n=100 R=24 cv=8 early-abort", "S2 loraplex n=100 R=24 cv=8 fcfs"]
+    # One policy only: the default goes unnamed, as on every other figure.
+    drawn = plot_file(write(tmp_path / "one.jsonl", lines[:1]))
+    assert [label for label, _ in drawn[str(tmp_path / "one-worker-steps.png")]["share"]["graph"]] == \
+        ["S2 loraplex n=100 R=24 cv=8"]

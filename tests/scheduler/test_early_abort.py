@@ -36,12 +36,45 @@ def test_every_tenant_lane_is_checked_and_retries_are_exempt():
     assert sorted(r.request_id for r in hopeless(q, 10.0, 6.0, est)) == ["a-old", "b-old"]
 
 
-def test_estimator_follows_observed_first_tokens():
-    est = PrefillEstimator(overhead_s=0.0, per_token_s=0.001, smoothing=0.5)
-    est.observe(100, 1.0)  # 10 ms per token observed
-    assert est.per_token_s == pytest.approx(0.0055)
-    for _ in range(30):
-        est.observe(100, 1.0)
-    assert est.estimate(100) == pytest.approx(1.0, rel=1e-3)
-    est.observe(0, 5.0)  # nothing to learn from an empty prompt
-    assert est.estimate(100) == pytest.approx(1.0, rel=1e-3)
+def test_estimator_starts_from_its_configured_terms_and_follows_observed_first_tokens():
+    est = PrefillEstimator(overhead_s=0.5, per_token_s=0.001)
+    assert est.estimate(100) == pytest.approx(0.6)
+    est.observe(100, 1.0)
+    # One prompt length seen: the level follows it, the slope is still the configured one.
+    assert est.estimate(100) == pytest.approx(1.0)
+    assert est.estimate(300) == pytest.approx(1.2)
+    for _ in range(200):
+        est.observe(100, 2.0)
+    assert est.estimate(100) == pytest.approx(2.0, rel=1e-3)
+    est.observe(0, 50.0)  # nothing to learn from an empty prompt
+    est.observe(100, -1.0)  # nor from a clock that went backwards
+    assert est.estimate(100) == pytest.approx(2.0, rel=1e-3)
+
+
+def test_estimator_learns_a_cost_that_grows_with_the_prompt():
+    est = PrefillEstimator(overhead_s=0.0, per_token_s=0.0)
+    for i in range(400):
+        n = 8 + (i * 37) % 504
+        est.observe(n, 0.05 + 0.002 * n)
+    assert est.per_token_s == pytest.approx(0.002, rel=1e-6)
+    assert est.estimate(500) == pytest.approx(1.05, rel=1e-6)
+    assert est.estimate(10) == pytest.approx(0.07, rel=1e-6)
+
+
+def test_a_wait_every_prompt_shares_is_not_charged_to_long_prompts():
+    """Assignment to first token is mostly a wait for the batch and its step, whatever the prompt's length:
+    1 s +- 0.5 s here, prompts of 8..511 tokens. A long prompt's estimate stays near that 1 s (seconds / n per
+    sample would make short prompts read as ~0.1 s a token and a 511-token one as tens of seconds), so a
+    request that has just arrived is never hopeless."""
+    est = PrefillEstimator()
+    estimates = []
+    for i in range(2000):
+        n = 8 + (i * 97) % 504
+        wait = 0.5 + (i * 7919 % 1000) / 1000  # spread over [0.5, 1.5) independently of n
+        est.observe(n, wait + 5e-5 * n)
+        est.note_prompt(n)
+        if i >= 100:
+            estimates.append(est.estimate(511))
+    assert max(estimates) < 1.6 and min(estimates) > 0.6
+    q = queue_of(("old", 3.0, 8, "t"), ("fresh-long", 10.0, 511, "t"))
+    assert [r.request_id for r in hopeless(q, 10.0, 6.0, est)] == ["old"]
