@@ -37,6 +37,8 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "early-abort": ("scheduler.first_token_slo_s=6", "scheduler.queue_order=auto"),
     "fcfs": ("scheduler.first_token_slo_s=0", "scheduler.queue_order=fcfs"),
     "lcfs": ("scheduler.first_token_slo_s=0", "scheduler.queue_order=lcfs"),
+    # Early abort with newest first only once the queue cannot drain in time oldest first.
+    "early-abort-deadline": ("scheduler.first_token_slo_s=6", "scheduler.queue_order=deadline"),
 }
 # The no-unify adapter part holds a running batch's worth of adapters of the setting's largest rank (every
 # request on its own adapter), since a fixed partition must fit its worst case.

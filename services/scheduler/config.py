@@ -7,6 +7,9 @@ from shared.config import config_from_args, from_dict
 from shared.config import doc_field as _doc
 
 
+QUEUE_ORDERS = ("auto", "deadline", "fcfs", "lcfs")
+
+
 @dataclass
 class SchedulerConfig:
     """Settings of the scheduler: queueing, admission, clustering, routing and worker supervision."""
@@ -20,7 +23,8 @@ class SchedulerConfig:
     prefill_overhead_s: float = _doc("initial estimate of the fixed cost of a prefill, seconds", 0.02)
     prefill_per_token_s: float = _doc("initial estimate of prefill seconds per prompt token (learned as it runs)", 1e-4)
     queue_order: str = _doc("service order of the queue: auto (FCFS, newest first while arrivals outpace admissions, as "
-                            "S-LoRA), fcfs or lcfs (fixed, for comparing admission policies)", "auto")
+                            "S-LoRA), deadline (as auto, but FCFS while the queue still drains within the first-token "
+                            "SLO), fcfs or lcfs (fixed, for comparing admission policies)", "auto")
     rate_period_s: float = _doc("scheduling period over which arrivals and admissions are averaged, seconds", 0.5)
     rate_smoothing: float = _doc("weight of the latest period in the arrival/admission moving averages", 0.3)
     cluster_adapters: int = _doc("adapter clustering d: past d distinct adapters in a batch, prefer requests of its adapters; 0 = off", 8)
@@ -43,8 +47,12 @@ class SchedulerConfig:
                      "prefetch_adapters", "max_retries", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.queue_order not in ("auto", "fcfs", "lcfs"):
-            raise ValueError(f"queue_order must be auto, fcfs or lcfs, got {self.queue_order!r}")
+        if self.queue_order not in QUEUE_ORDERS:
+            raise ValueError(f"queue_order must be {', '.join(QUEUE_ORDERS[:-1])} or {QUEUE_ORDERS[-1]}, "
+                             f"got {self.queue_order!r}")
+        if self.queue_order == "deadline" and self.first_token_slo_s <= 0:
+            raise ValueError("queue_order=deadline keeps oldest first while the queue drains within "
+                             "first_token_slo_s: set first_token_slo_s > 0")
         if self.heartbeat_timeout_s <= 0 or self.rate_period_s <= 0:
             raise ValueError("heartbeat_timeout_s and rate_period_s must be positive")
 

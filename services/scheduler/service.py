@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from services.scheduler.admission import Admission
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.early_abort import PrefillEstimator, hopeless
+from services.scheduler.queue_drain import fcfs_keeps_deadlines
 from services.scheduler.ordering import service_order
 from services.scheduler.prefetch import prefetch_plan
 from services.scheduler.rates import RateMonitor
@@ -406,11 +407,10 @@ class Scheduler:
 
     def _schedule(self, now: float) -> None:
         cfg = self.config
-        # S-LoRA's switch: newest first while overloaded; a fixed order only for comparing policies.
-        overloaded = self.rates.overloaded(now) if cfg.queue_order == "auto" else cfg.queue_order == "lcfs"
+        newest_first = self._newest_first(now)
         views = [w.view(cfg.worker_max_running) for w in self.workers.values()]
         if self.queue and any(v.ready and v.free_requests > 0 for v in views):
-            window = list(islice(service_order(self.queue, overloaded, self.in_service), cfg.lookahead))
+            window = list(islice(service_order(self.queue, newest_first, self.in_service), cfg.lookahead))
             self._assign(plan(window, views, cfg.cluster_adapters, cfg.max_adapters_per_batch), now)
         # Early abort after assignment: whatever a worker could take now is served, whatever its age.
         for request in hopeless(self.queue, now, cfg.first_token_slo_s, self.estimator):
@@ -423,7 +423,19 @@ class Scheduler:
         # a worker's per-step statuses from each costing a walk of the queue head.
         if now >= self.next_hint:
             self.next_hint = now + TICK_S
-            self._hint(overloaded)
+            self._hint(newest_first)
+
+    def _newest_first(self, now: float) -> bool:
+        """S-LoRA's switch: newest first while arrivals outpace admissions; `deadline` also waits until the
+        queue can no longer drain in time oldest first; a fixed order only for comparing policies."""
+        cfg = self.config
+        if cfg.queue_order in ("fcfs", "lcfs"):
+            return cfg.queue_order == "lcfs"
+        overloaded = self.rates.overloaded(now)
+        if not overloaded or cfg.queue_order == "auto":
+            return overloaded
+        return not fcfs_keeps_deadlines(self.queue, now, cfg.first_token_slo_s, self.rates.service_rate(now),
+                                        self.estimator)
 
     def _assign(self, assignments: list[tuple[QueuedRequest, str]], now: float) -> None:
         by_worker: dict[str, list[QueuedRequest]] = defaultdict(list)
@@ -440,14 +452,14 @@ class Scheduler:
             self.workers_sock.send(worker.identity, Assign(requests=[r.submit for r in requests]))
             self.rates.record_admission(now, len(requests))
 
-    def _hint(self, overloaded: bool) -> None:
+    def _hint(self, newest_first: bool) -> None:
         cfg = self.config
         if not cfg.prefetch_adapters:
             return
         if not self.queue and not any(w.hinted for w in self.workers.values()):
             return  # nothing waiting and nothing announced: no hint can change
         views = [w.view(cfg.worker_max_running) for w in self.workers.values()]
-        head = islice(service_order(self.queue, overloaded, self.in_service), cfg.lookahead)
+        head = islice(service_order(self.queue, newest_first, self.in_service), cfg.lookahead)
         hints = prefetch_plan(head, views, cfg.prefetch_adapters)
         fresh: list[str] = []
         for worker_id, adapters in hints.items():

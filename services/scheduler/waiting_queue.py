@@ -79,6 +79,9 @@ class WaitingQueue:
     def all(self) -> list[QueuedRequest]:
         return list(self._where.values())
 
+    def retry_count(self) -> int:
+        return len(self._retry)
+
     def retries(self) -> Iterator[QueuedRequest]:
         return iter(self._retry.values())
 

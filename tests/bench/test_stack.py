@@ -10,7 +10,7 @@ import pytest
 
 from bench.adapters import generate_adapters
 from bench.settings import get_setting
-from bench.stack import Stack, StackConfig, adapter_slots, no_unify_slots
+from bench.stack import POLICIES, Stack, StackConfig, adapter_slots, no_unify_slots
 from bench.workload import TraceRequest
 from shared.probes import alive, descendants
 from tests.bench.infra import TINY, tiny_stack
@@ -91,7 +91,7 @@ def test_a_killed_launcher_leaves_no_orphans_after_stop(population):
 def test_a_stack_that_cannot_start_says_why_and_leaves_nothing(population):
     work, pop = population
     stack = tiny_stack(work, pop, n=0, extra_set=("scheduler.queue_order=sideways",))
-    with pytest.raises(RuntimeError, match="queue_order must be auto, fcfs or lcfs"):
+    with pytest.raises(RuntimeError, match="queue_order must be auto, deadline, fcfs or lcfs"):
         stack.start()
     assert stack.proc is None and stack.pids and [p for p in stack.pids if alive(p)] == []
 
@@ -157,3 +157,17 @@ def test_peft_baseline_starts_serves_its_adapters_and_stops(population):
     finally:
         stack.stop()
     assert [p for p in pids if alive(p)] == [] and not port_open(stack.port)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_admission_policy_is_a_scheduler_configuration(policy):
+    from services.scheduler.config import SchedulerConfig
+
+    values, argv = {}, []
+    for item in POLICIES[policy]:  # given to the scheduler as flags, as the launcher's --set does
+        key, value = item.removeprefix("scheduler.").split("=")
+        values[key] = value
+        argv += [f"--{key.replace('_', '-')}", value]
+    config = SchedulerConfig.from_args(argv)
+    assert config.queue_order == values["queue_order"]
+    assert (config.first_token_slo_s > 0) == policy.startswith("early-abort")
