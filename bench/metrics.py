@@ -37,6 +37,9 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
       hidden) over completed window requests: latency = finish - arrival, TTFT = first token - arrival,
       TPOT = (finish - first token) / (output_tokens - 1) for requests of 2+ tokens. Percentiles are
       numpy.percentile's linear interpolation; figures over no request are None.
+    - refused_after_min_s / refused_after_p50_s: time from arrival to an error answer (429 queue full, 503
+      aborted early), over the window requests that got one: early abort should turn requests away near
+      the SLO, and a refusal soon after arrival says its estimate of their prefill ran high.
     - slo_attainment: the fraction of all window requests that completed with TTFT <= slo_s (aborted ones
       miss). user_satisfaction: the mean over all window requests of 1 - (TTFT/slo_s)² when completed with
       TTFT < slo_s, else 0.
@@ -60,6 +63,8 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
     for r in window:
         if not r.completed:
             errors[str(r.status) if r.status is not None else "none"] += 1
+    refused = np.array([r.finish_s - r.arrival_s for r in window
+                        if not r.completed and r.status is not None and r.finish_s is not None])
     lags = [r.sent_s - r.arrival_s for r in records if r.sent_s is not None]
     tokens = sum(r.output_tokens for r in done)
     return {
@@ -67,6 +72,8 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
         "n_completed": len(done),
         "aborted": len(window) - len(done),
         "errors_by_status": dict(sorted(errors.items())),
+        "refused_after_min_s": float(refused.min()) if refused.size else None,
+        "refused_after_p50_s": _pct(refused, 50),
         "window_s": window_s,
         "throughput_rps": len(done) / window_s if window_s > 0 else 0.0,
         "output_tok_s": tokens / window_s if window_s > 0 else 0.0,

@@ -36,6 +36,8 @@ def test_summarize_by_hand():
     s = summarize(RECORDS, warmup_s=1.0, slo_s=6.0, duration_s=8.0)
     assert (s["n_window"], s["n_completed"], s["aborted"]) == (5, 3, 2)
     assert s["errors_by_status"] == {"429": 1, "none": 1}
+    # Refused 0.01 s after arriving; the timeout got no answer, so it is not a refusal.
+    assert s["refused_after_min_s"] == pytest.approx(0.01) and s["refused_after_p50_s"] == pytest.approx(0.01)
     # Window [1, 11): the last completed window request finishes at 11 (later than the 8 s of arrivals;
     # the timed-out request's end does not stretch it).
     assert s["window_s"] == pytest.approx(10.0)
@@ -71,6 +73,7 @@ def test_empty_window():
     s = summarize(RECORDS, warmup_s=100.0)
     assert (s["n_window"], s["throughput_rps"], s["aborted"]) == (0, 0.0, 0)
     assert s["ttft_p50_s"] is None and s["latency_mean_s"] is None and s["slo_attainment"] is None
+    assert s["refused_after_min_s"] is None and s["refused_after_p50_s"] is None
     with pytest.raises(ValueError, match="warmup_s"):
         summarize(RECORDS, -1.0)
     with pytest.raises(ValueError, match="slo_s"):
