@@ -26,6 +26,7 @@ class PrefillEstimator:
     # Prompt lengths must spread this much (variance, tokens^2) before the fitted slope is trusted.
     MIN_SPREAD = 16.0
 
+    # smoothing 0.05: about the last 20 first tokens, a second's worth at the rates a busy worker serves.
     def __init__(self, overhead_s: float = 0.02, per_token_s: float = 1e-4, smoothing: float = 0.05):
         if overhead_s < 0 or per_token_s < 0:
             raise ValueError("prefill estimate terms must be >= 0")
@@ -37,7 +38,7 @@ class PrefillEstimator:
         self.longest_prompt = 0
         self.samples = 0
         self.mean_n = 0.0
-        self.mean_s = overhead_s
+        self.mean_s = 0.0
         self.var_n = 0.0
         self.cov_ns = 0.0
 

@@ -20,19 +20,16 @@ def fcfs_keeps_deadlines(queue: WaitingQueue, now: float, slo_s: float, admissio
                          estimator: PrefillEstimator) -> bool:
     """True when oldest first would still bring the oldest and the youngest fresh request's first token
     within `slo_s` of its arrival, at `admissions_per_s` (requests leaving the queue for workers)."""
-    heads = [next(queue.lane(t), None) for t in queue.tenants()]
-    tails = [next(queue.lane(t, newest_first=True), None) for t in queue.tenants()]
-    heads = [r for r in heads if r is not None]
-    tails = [r for r in tails if r is not None]
-    if not heads:
+    tenants = queue.tenants()  # only tenants with fresh requests: each lane has a head and a tail
+    if not tenants:
         return True  # nothing fresh waits: no order can make anything late
     if admissions_per_s <= 0:
         return False  # nothing is leaving the queue: no drain can be counted on
-    oldest = min(heads, key=lambda r: r.arrival)
-    youngest = max(tails, key=lambda r: r.arrival)
+    oldest = min((next(queue.lane(t)) for t in tenants), key=lambda r: r.arrival)
+    youngest = max((next(queue.lane(t, newest_first=True)) for t in tenants), key=lambda r: r.arrival)
     # Retries go before every fresh request; the youngest waits for the whole queue.
     for request, ahead in ((oldest, queue.retry_count()), (youngest, len(queue) - 1)):
-        first_token = (now - request.arrival) + (ahead + 1) / admissions_per_s + estimator.estimate(request.prompt_tokens)
-        if first_token > slo_s:
+        waited = now - request.arrival
+        if waited + (ahead + 1) / admissions_per_s + estimator.estimate(request.prompt_tokens) > slo_s:
             return False
     return True

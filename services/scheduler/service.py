@@ -26,9 +26,9 @@ from zmq.utils.monitor import recv_monitor_message
 from services.scheduler.admission import Admission
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.early_abort import PrefillEstimator, hopeless
-from services.scheduler.queue_drain import fcfs_keeps_deadlines
 from services.scheduler.ordering import service_order
 from services.scheduler.prefetch import prefetch_plan
+from services.scheduler.queue_drain import fcfs_keeps_deadlines
 from services.scheduler.rates import RateMonitor
 from services.scheduler.routing import plan
 from services.scheduler.waiting_queue import QueuedRequest, WaitingQueue
