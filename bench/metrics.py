@@ -149,8 +149,9 @@ class _CounterDelta:
 class ServerSampler:
     """Polls GET {base_url}/metrics every `interval_s` in a thread from start() to stop(); `report()` gives
     the run's peaks (pool slots summed over workers, queue, running requests), the increase of the adapter
-    load, load-byte and preemption counters, and the peak GPU memory in use (nvidia-smi, every
-    `gpu_interval_s`; None where there is none).
+    load, load-byte and preemption counters, the share of samples in which the scheduler served its queue
+    newest first and the peak of its early-abort prefill estimate, and the peak GPU memory in use
+    (nvidia-smi, every `gpu_interval_s`; None where there is none).
 
     The baseline sample is taken in start() itself, so counters count from before the first request.
     Pool occupancy is the scheduler's view, refreshed by its worker pings, so a peak shorter than a ping
@@ -167,6 +168,7 @@ class ServerSampler:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.samples = 0
+        self.newest_first_samples = 0  # samples in which the scheduler served its queue newest first
         self.sample_errors = 0
         self.last_error: str | None = None
         self.peaks: dict[str, float] = {}
@@ -233,9 +235,11 @@ class ServerSampler:
             "worker_waiting_requests": sum(_by_label(samples, "loraplex_worker_waiting_requests", "worker").values()),
             "gateway_in_flight": samples.get(("loraplex_gateway_in_flight", ()), 0.0),
             "adapters_resident_gpu": _by_label(samples, "loraplex_adapters_resident", "tier").get("gpu", 0.0),
+            "prefill_estimate_s": samples.get(("loraplex_scheduler_prefill_estimate_seconds", ()), 0.0),
         }
         with self._lock:
             self.samples += 1
+            self.newest_first_samples += samples.get(("loraplex_scheduler_newest_first", ()), 0.0) > 0
             for k, v in values.items():
                 self.peaks[k] = max(self.peaks.get(k, v), v)
             if slots["total"]:
@@ -283,6 +287,8 @@ class ServerSampler:
                 "worker_waiting_requests_peak": _int(p.get("worker_waiting_requests")),
                 "gateway_in_flight_peak": _int(p.get("gateway_in_flight")),
                 "adapters_resident_gpu_peak": _int(p.get("adapters_resident_gpu")),
+                "newest_first_share": self.newest_first_samples / self.samples if self.samples else None,
+                "prefill_estimate_peak_s": p.get("prefill_estimate_s"),
                 **{key: _int(c.total) if self.samples else None for key, c in self.counters.items()},
                 "worker_steps": self._worker_steps(),
                 "gpu_memory_used_peak_mib": self.gpu_memory_used_peak_mib,

@@ -382,6 +382,9 @@ class Pong(Message):
     call_id: str = ""
     workers_ready: int = 0  # scheduler only: workers that reported ready and are alive
     queue_depth: int = 0  # scheduler only: requests in the waiting queue
+    newest_first: bool = False  # scheduler only: its last scheduling decision served the queue newest first
+    # scheduler only: its estimate of assignment to first token for the longest prompt seen (early abort's bar)
+    prefill_estimate_s: float = 0.0
     # adapter_store only: the host arena, so leaks of pins or bytes show in the gateway's /metrics
     arena_capacity_bytes: int = 0
     arena_used_bytes: int = 0

@@ -29,6 +29,11 @@ class SchedulerCollector:
         pong = self.view.pong
         yield _gauge("loraplex_queue_depth", "Requests waiting in the scheduler's queue", pong.queue_depth if pong else 0)
         yield _gauge("loraplex_workers_ready", "Workers alive and ready", pong.workers_ready if pong else 0)
+        yield _gauge("loraplex_scheduler_newest_first", "1 while the scheduler serves its queue newest first "
+                     "(arrivals outpace admissions), else 0", int(pong.newest_first) if pong else 0)
+        yield _gauge("loraplex_scheduler_prefill_estimate_seconds", "The scheduler's estimate of assignment to "
+                     "first token for the longest prompt seen; early abort refuses what cannot meet the SLO with it",
+                     pong.prefill_estimate_s if pong else 0.0)
         running = GaugeMetricFamily("loraplex_running_requests", "Requests running on each worker", labels=["worker"])
         waiting = GaugeMetricFamily("loraplex_worker_waiting_requests", "Requests waiting inside each worker", labels=["worker"])
         slots = GaugeMetricFamily("loraplex_pool_slots", "Unified pool slots by use", labels=["worker", "kind"])

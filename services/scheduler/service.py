@@ -117,6 +117,7 @@ class Scheduler:
         self.in_service: Counter[str] = Counter()  # tenant -> requests on workers
         self.warmed: dict[str, None] = {}  # adapters recently sent to the store to warm, oldest first
         self.dirty = False
+        self.newest_first = False  # the order of the last scheduling decision, reported in Pong
         self.next_hint = 0.0
         self.draining_since: float | None = None
         self._drain_logged = False
@@ -268,7 +269,9 @@ class Scheduler:
 
     def _pong(self, msg: Ping) -> Pong:
         return Pong(service="scheduler", ready=self.draining_since is None, pid=os.getpid(), call_id=msg.call_id,
-                    workers_ready=sum(1 for w in self.workers.values() if w.ready), queue_depth=len(self.queue))
+                    workers_ready=sum(1 for w in self.workers.values() if w.ready), queue_depth=len(self.queue),
+                    newest_first=self.newest_first,
+                    prefill_estimate_s=self.estimator.estimate(self.estimator.longest_prompt))
 
     def _gateway_gone(self, origin: bytes) -> None:
         """A gateway went away: nobody can receive its requests' tokens, so stop them all."""
@@ -407,7 +410,7 @@ class Scheduler:
 
     def _schedule(self, now: float) -> None:
         cfg = self.config
-        newest_first = self._newest_first(now)
+        newest_first = self.newest_first = self._newest_first(now)
         views = [w.view(cfg.worker_max_running) for w in self.workers.values()]
         if self.queue and any(v.ready and v.free_requests > 0 for v in views):
             window = list(islice(service_order(self.queue, newest_first, self.in_service), cfg.lookahead))

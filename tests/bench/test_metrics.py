@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bench.client import RequestRecord, run_trace
-from bench.metrics import ServerSampler, _CounterDelta, summarize
+from bench.metrics import ServerSampler, _CounterDelta, parse_samples, summarize
 from bench.workload import TraceRequest
 from shared.probes import free_port, metric, metric_samples, metric_sum
 from shared.tiny_model import VOCAB_SIZE
@@ -172,6 +172,18 @@ def test_sampler_without_a_server_reports_nothing_it_did_not_see():
     assert report["metrics_samples"] == 0 and report["metrics_sample_errors"] >= 2
     assert report["adapter_loads"] is None and report["pool_kv_slots_peak"] is None and report["pool_total_slots"] is None
     assert report["worker_steps"] is None
+    assert report["newest_first_share"] is None and report["prefill_estimate_peak_s"] is None
+
+
+def test_sampler_reads_the_schedulers_queue_order_and_prefill_estimate():
+    """Samples as the gateway exposes them: the share of samples served newest first, the estimate's peak."""
+    sampler = ServerSampler("http://127.0.0.1:1", nvidia_smi="")
+    for newest_first, estimate in ((0, 0.4), (1, 2.5), (1, 1.0), (0, 0.3)):
+        text = (f"loraplex_scheduler_newest_first {newest_first}\n"
+                f"loraplex_scheduler_prefill_estimate_seconds {estimate}\n")
+        sampler._record(parse_samples(text), baseline=False)
+    report = sampler.report()
+    assert report["newest_first_share"] == 0.5 and report["prefill_estimate_peak_s"] == 2.5
 
 
 def test_sampler_gpu_memory_peak(core_stack, tmp_path):

@@ -93,7 +93,8 @@ class FakePeers:
                     status = WorkerStatus("w0", 1, 1000, 900, 60, 40, 2, 1, list(self.resident), [],
                                           adapter_loads=3, adapter_load_bytes=4096)
                     self.sched.send_multipart([ident, *encode(status)])
-                    pong = Pong("scheduler", True, os.getpid(), msg.call_id, workers_ready=self.workers_ready, queue_depth=7)
+                    pong = Pong("scheduler", True, os.getpid(), msg.call_id, workers_ready=self.workers_ready, queue_depth=7,
+                                newest_first=True, prefill_estimate_s=1.25)
                     self.sched.send_multipart([ident, *encode(pong)])
             elif isinstance(msg, SubmitRequest):
                 self.submits.append(msg)

@@ -229,6 +229,8 @@ def test_health_ready_metrics_and_unknown_paths(gateway, peers):
     text = httpx.get(gateway.url + "/metrics").text
     assert 'loraplex_requests_total{endpoint="completions",status="200"}' in text
     assert "loraplex_queue_depth 7.0" in text
+    assert "loraplex_scheduler_newest_first 1.0" in text
+    assert "loraplex_scheduler_prefill_estimate_seconds 1.25" in text
     assert 'loraplex_pool_slots{kind="free",worker="w0"} 900.0' in text
     assert 'loraplex_adapter_loads_total{worker="w0"} 3.0' in text
     assert "loraplex_time_to_first_token_seconds_count" in text

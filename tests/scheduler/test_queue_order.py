@@ -43,6 +43,12 @@ def test_deadline_order_keeps_oldest_first_while_the_queue_drains_in_time(start,
     time.sleep(0.6)
     wk.send(status("w0", step=1, finished=("r0",), max_running=1))
     assert wk.assigned(1) == [first]
+    if slo_s == 60:  # the order it chose is reported (three queued still drain in time for `deadline`)
+        gw.send(Ping(call_id="order"))
+        pong = gw.recv(Pong)
+        assert pong.newest_first == (order == "auto")
+        # No first token seen yet: early abort's bar is the configured estimate for the longest prompt (3 tokens).
+        assert pong.prefill_estimate_s == pytest.approx(0.02 + 3 * 1e-4)
 
 
 def test_unknown_order_is_refused():
