@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.client import RequestRecord
 from services.gpu_worker.step_stats import STEP_KINDS
+from shared.probes import metric_samples
 
 
 def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 6.0,
@@ -106,11 +106,7 @@ def _pct(a: np.ndarray, q: float) -> float | None:
 # ---------------------------------------------------------------------------------------------------------
 def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of a Prometheus exposition: (name, sorted label pairs) -> value."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in metric_samples(text)}
 
 
 def _by_label(samples: dict, name: str, label: str, **match) -> dict[str, float]:

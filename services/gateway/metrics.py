@@ -30,7 +30,8 @@ class SchedulerCollector:
         yield _gauge("loraplex_queue_depth", "Requests waiting in the scheduler's queue", pong.queue_depth if pong else 0)
         yield _gauge("loraplex_workers_ready", "Workers alive and ready", pong.workers_ready if pong else 0)
         yield _gauge("loraplex_scheduler_newest_first", "1 while the scheduler serves its queue newest first "
-                     "(arrivals outpace admissions), else 0", int(pong.newest_first) if pong else 0)
+                     "(its queue order's choice at its last scheduling decision), else 0",
+                     int(pong.newest_first) if pong else 0)
         yield _gauge("loraplex_scheduler_prefill_estimate_seconds", "The scheduler's estimate of assignment to "
                      "first token for the longest prompt seen; early abort refuses what cannot meet the SLO with it",
                      pong.prefill_estimate_s if pong else 0.0)

@@ -54,6 +54,10 @@ class PrefillEstimator:
             return self.overhead_s + prompt_tokens * self.prior_per_token_s
         return max(0.0, self.mean_s + self.per_token_s * (prompt_tokens - self.mean_n))
 
+    def longest_estimate(self) -> float:
+        """The estimate for the longest prompt seen: no queued request needs longer."""
+        return self.estimate(self.longest_prompt)
+
     def note_prompt(self, prompt_tokens: int) -> None:
         self.longest_prompt = max(self.longest_prompt, prompt_tokens)
 
@@ -83,7 +87,7 @@ def hopeless(queue: WaitingQueue, now: float, slo_s: float, estimator: PrefillEs
     """
     if slo_s <= 0:
         return []
-    worst = estimator.estimate(estimator.longest_prompt)
+    worst = estimator.longest_estimate()
     out = []
     for tenant in queue.tenants():
         for request in queue.lane(tenant):

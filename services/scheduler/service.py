@@ -271,7 +271,7 @@ class Scheduler:
         return Pong(service="scheduler", ready=self.draining_since is None, pid=os.getpid(), call_id=msg.call_id,
                     workers_ready=sum(1 for w in self.workers.values() if w.ready), queue_depth=len(self.queue),
                     newest_first=self.newest_first,
-                    prefill_estimate_s=self.estimator.estimate(self.estimator.longest_prompt))
+                    prefill_estimate_s=self.estimator.longest_estimate())
 
     def _gateway_gone(self, origin: bytes) -> None:
         """A gateway went away: nobody can receive its requests' tokens, so stop them all."""
@@ -410,7 +410,7 @@ class Scheduler:
 
     def _schedule(self, now: float) -> None:
         cfg = self.config
-        newest_first = self.newest_first = self._newest_first(now)
+        self.newest_first = newest_first = self._newest_first(now)  # kept for Pong
         views = [w.view(cfg.worker_max_running) for w in self.workers.values()]
         if self.queue and any(v.ready and v.free_requests > 0 for v in views):
             window = list(islice(service_order(self.queue, newest_first, self.in_service), cfg.lookahead))
