@@ -50,7 +50,7 @@ def test_full_queue_is_429_with_retry_after(stack):
     statuses: dict[int, httpx.Response] = {}
 
     async def one(client, i, release: asyncio.Event):
-        async with client.stream("POST", "/v1/completions", json=long_body(i, LONG)) as r:
+        async with client.stream("POST", "/v1/completions", json=long_body(i)) as r:
             if r.status_code != 200:
                 await r.aread()
                 statuses[i] = r
@@ -87,7 +87,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_slots(stack):
     aborts_before = metric(base, "loraplex_aborts_total", reason="client_disconnect") or 0
     computed_before = step_tokens(base)
     with stack.client() as c:
-        with c.stream("POST", "/v1/completions", json=long_body(1, LONG)) as r:
+        with c.stream("POST", "/v1/completions", json=long_body(1)) as r:
             assert r.status_code == 200
             holding = False
             deadline = time.monotonic() + 30
@@ -121,7 +121,7 @@ def test_sigkill_worker_ends_its_requests_cleanly_and_it_comes_back(stack):
         out = {"finish": None, "error": None, "done": False, "tokens": 0}
         outcomes[i] = out
         with stack.client(timeout=60) as c:
-            with c.stream("POST", "/v1/completions", json=long_body(i, LONG)) as r:
+            with c.stream("POST", "/v1/completions", json=long_body(i)) as r:
                 out["status"] = r.status_code
                 first = True
                 for line in r.iter_lines():
