@@ -20,10 +20,11 @@ import torch
 from benchmarks.kernels.graph_live_segments import measure, plan_arguments, report_mismatches
 
 # "exact" launches every segment with the longest one's chunk count, "exact ci" one program per chunk that holds
-# tokens (the engine's eager steps); the shapes are tried on the latter. Shrink's input split is planned for
-# every segment times the longest one's chunk count, ~3.7x the programs an eager admission step runs, so
-# "sx2"/"sx4" show whether splitting the inputs more ways would fill the GPU better.
-ADMISSION_PLANS = ("exact", "exact ci", "exact ci t2", "exact ci w8", "exact ci n64", "exact ci n64 w8",
+# tokens (the engine's eager steps); the shapes are tried on the latter. "t1": expand's one column tile a program,
+# its choice before 2026-12-02. "sx2"/"sx4": shrink's inputs split more ways than planned (the plan counts every
+# segment times the longest one's chunks, ~3.7x the programs an admission step runs); on the H200 both were
+# slower than the plan (q,k,v 111 / 119 against 84 µs).
+ADMISSION_PLANS = ("exact", "exact ci", "exact ci t1", "exact ci t2", "exact ci w8", "exact ci n64", "exact ci n64 w8",
                    "exact ci n256 w8", "exact ci r16", "exact ci s1", "exact ci s3", "exact ci m16", "exact ci sw8",
                    "exact ci sk64", "exact ci ss2", "exact ci ss4", "exact ci sx2", "exact ci sx4")
 

@@ -192,9 +192,13 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     a segment per token, most of them empty): there a program walks two, so half as many programs find their
     segment empty. On the H200 at batch 256 (docs/benchmarks.md) that took S2's q,k,v expand from 71 to 48 µs
     a layer at 100 adapters and 37 to 29 at 5. The launch-shape sweep at batch 64 (benchmarks/kernels/
-    bench_lora.py) found several tiles a program slower, and an eager step's exact segments gained at 100
-    adapters but lost at 5 (o: 18 against 22 µs, 12 against 9), and were not measured with prefill: those
-    keep one tile.
+    bench_lora.py) found several tiles a program slower, and an eager decode step's exact segments gained at
+    100 adapters but lost at 5 (o: 18 against 22 µs, 12 against 9): those keep one tile.
+    An eager prefill launch (64-token chunks in 64-row tiles) walks two as well while that still leaves
+    8 programs a multiprocessor: each program then reads its chunk's y rows once for two tiles. On the H200
+    an S2 admission step's expand (8687 tokens over 100 adapters, benchmarks/kernels/admission_shapes.py)
+    went from 365 to 293 µs a layer for q,k,v, 124 to 101 for o, 647 to 519 for gate,up and 126 to 103 for
+    down, bit for bit the same output.
     live_segments, segment_programs: as in choose_shrink_config (a graph that shares its segments out among
     segment_programs programs has no empty ones, and keeps one tile a program; so do graphs of batches under
     GRAPH_TILES_MIN_TOKENS, where fewer of the segments are empty)."""
@@ -219,7 +223,11 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
             block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
         # Measured at batch 256 only; the launch-shape sweep at batch 64 found several tiles a program slower.
         graph_bound = max_seg_len is None and not segment_programs
-        tiles = 2 if graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS and n_tiles_of(block_n) >= 2 else 1
+        # A lower bound on a prefill launch's programs at two tiles: every chunk holds at most `chunk` tokens.
+        prefill_wide = (block_m == 64 and not segment_programs
+                        and cdiv(num_tokens, chunk) * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
+        two = (graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS) or prefill_wide
+        tiles = 2 if two and n_tiles_of(block_n) >= 2 else 1
         return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, tiles_per_prog=tiles,
                             block_m=block_m, chunk_tokens=chunk, segment_programs=segment_programs)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
