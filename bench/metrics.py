@@ -31,14 +31,16 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
     shorter time than the load took to offer.
     - throughput_rps = completed window requests / window_s; output_tok_s = their output tokens / window_s.
     - A request completed when its stream ended normally; every other window request (refused with 429,
-      aborted early by the SLO policy, failed, timed out) counts in `aborted` (broken down by HTTP status
-      or "none" in `errors_by_status`).
+      aborted early by the SLO policy, failed, timed out) counts in `aborted`, broken down in
+      `errors_by_status` by the HTTP status of an error answer, or "timeout" (the client gave up after its
+      request_timeout_s; also counted in `timed_out`), "stream" (a 200 stream that broke off) or "none" (no
+      answer).
     - Latencies are from the request's trace arrival (so client lag, reported as send_lag_max_s, is never
       hidden) over completed window requests: latency = finish - arrival, TTFT = first token - arrival,
       TPOT = (finish - first token) / (output_tokens - 1) for requests of 2+ tokens. Percentiles are
       numpy.percentile's linear interpolation; figures over no request are None.
     - refused_after_min_s / refused_after_p50_s: time from arrival to an error answer (429 queue full, 503
-      aborted early), over the window requests that got one: early abort should turn requests away near
+      aborted early), over the window requests that got one (never a timeout or a begun stream): early abort should turn requests away near
       the SLO, and a refusal soon after arrival says its estimate of their prefill ran high.
     - slo_attainment: the fraction of all window requests that completed with TTFT <= slo_s (aborted ones
       miss). user_satisfaction: the mean over all window requests of 1 - (TTFT/slo_s)² when completed with
@@ -62,9 +64,10 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
     errors: dict[str, int] = defaultdict(int)
     for r in window:
         if not r.completed:
-            errors[str(r.status) if r.status is not None else "none"] += 1
+            errors[_error_kind(r)] += 1
+    # A stream that began (200) and then failed or outlasted the client was served, not refused.
     refused = np.array([r.finish_s - r.arrival_s for r in window
-                        if not r.completed and r.status is not None and r.finish_s is not None])
+                        if not r.completed and r.status not in (None, 200) and r.finish_s is not None])
     lags = [r.sent_s - r.arrival_s for r in records if r.sent_s is not None]
     tokens = sum(r.output_tokens for r in done)
     return {
@@ -72,6 +75,7 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
         "n_completed": len(done),
         "aborted": len(window) - len(done),
         "errors_by_status": dict(sorted(errors.items())),
+        "timed_out": errors.get("timeout", 0),
         "refused_after_min_s": float(refused.min()) if refused.size else None,
         "refused_after_p50_s": _pct(refused, 50),
         "window_s": window_s,
@@ -91,6 +95,17 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
         "user_satisfaction": satisfaction / len(window) if window else None,
         "send_lag_max_s": max(lags) if lags else None,
     }
+
+
+def _error_kind(r) -> str:
+    """errors_by_status's key for a request that did not complete: the HTTP status of an error answer,
+    "timeout" when the client gave up (whether or not the stream had begun), "stream" for a 200 stream
+    that broke off, "none" when no answer came."""
+    if r.status not in (None, 200):
+        return str(r.status)
+    if r.error and r.error.startswith("timeout"):
+        return "timeout"
+    return "stream" if r.status == 200 else "none"
 
 
 def _mean(a: np.ndarray) -> float | None:

@@ -35,7 +35,7 @@ RECORDS = [
 def test_summarize_by_hand():
     s = summarize(RECORDS, warmup_s=1.0, slo_s=6.0, duration_s=8.0)
     assert (s["n_window"], s["n_completed"], s["aborted"]) == (5, 3, 2)
-    assert s["errors_by_status"] == {"429": 1, "none": 1}
+    assert s["errors_by_status"] == {"429": 1, "timeout": 1} and s["timed_out"] == 1
     # Refused 0.01 s after arriving; the timeout got no answer, so it is not a refusal.
     assert s["refused_after_min_s"] == pytest.approx(0.01) and s["refused_after_p50_s"] == pytest.approx(0.01)
     # Window [1, 11): the last completed window request finishes at 11 (later than the 8 s of arrivals;
@@ -53,6 +53,23 @@ def test_summarize_by_hand():
     assert s["slo_attainment"] == pytest.approx(2 / 5)  # aborted requests count as misses
     assert s["user_satisfaction"] == pytest.approx(((1 - (1 / 6) ** 2) + (1 - (3 / 6) ** 2)) / 5)
     assert s["send_lag_max_s"] == 0.0
+
+
+def test_requests_whose_stream_began_are_not_refusals():
+    # LCFS under bursts: the server answers 200 at once, but the first token never comes before the client
+    # gives up at 60 s; another stream breaks off after a token; one request gets no answer at all.
+    records = [
+        rec(0, 1.0, 1.5, 3.0, 4),
+        rec(1, 2.0, None, 62.0, 0, "timeout: no complete answer within 60s", 200),
+        rec(2, 3.0, 3.5, 4.0, 1, "the stream ended before [DONE]", 200),
+        rec(3, 4.0, None, 4.5, 0, "ConnectError: refused", None),
+        rec(4, 5.0, None, 9.5, 0, "HTTP 503: hopeless", 503),
+    ]
+    s = summarize(records, warmup_s=0.0)
+    assert s["errors_by_status"] == {"503": 1, "none": 1, "stream": 1, "timeout": 1}
+    assert s["timed_out"] == 1 and s["aborted"] == 4
+    # Only the 503 was an error answer: refused 4.5 s after arriving, not 60.
+    assert s["refused_after_min_s"] == pytest.approx(4.5) and s["refused_after_p50_s"] == pytest.approx(4.5)
 
 
 def test_window_end_and_slo_edges():
