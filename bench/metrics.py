@@ -40,8 +40,9 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
       TPOT = (finish - first token) / (output_tokens - 1) for requests of 2+ tokens. Percentiles are
       numpy.percentile's linear interpolation; figures over no request are None.
     - refused_after_min_s / refused_after_p50_s: time from arrival to an error answer (429 queue full, 503
-      aborted early), over the window requests that got one (never a timeout or a begun stream): early abort should turn requests away near
-      the SLO, and a refusal soon after arrival says its estimate of their prefill ran high.
+      aborted early), over the window requests that got one (never a timeout or a begun stream): early
+      abort should turn requests away near the SLO, and a refusal soon after arrival says its estimate of
+      their prefill ran high.
     - slo_attainment: the fraction of all window requests that completed with TTFT <= slo_s (aborted ones
       miss). user_satisfaction: the mean over all window requests of 1 - (TTFT/slo_s)² when completed with
       TTFT < slo_s, else 0.
