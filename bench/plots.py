@@ -88,6 +88,8 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
             color = "grey" if label == OFFERED else colors.setdefault(label.removesuffix(ROOFLINE), f"C{len(colors)}")
             dashed = label.endswith(ROOFLINE) or label == OFFERED
             style = {"linestyle": "--", "marker": "x", "alpha": 0.7} if dashed else {"marker": "o"}
+            if len(pts) == 1 and not dashed:  # a lone point drawn over the lines it may sit on
+                style = {"marker": "D", "markersize": 8, "zorder": 3}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, **style)
         if logx:
             ax.set_xscale("log", base=log_base)
@@ -140,8 +142,9 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
                                     f"{setting}: throughput and SLO attainment vs request rate", "request rate R (req/s)",
                                     False, png)
 
-    by_cv = _series(lines, "cv", "slo_attainment", ("setting",))
-    satisfaction = _series(lines, "cv", "user_satisfaction", ("setting",))
+    # A policy measured at one cv so far (a sweep still in pieces) shows as a point beside the others' lines.
+    by_cv = _series(lines, "cv", "slo_attainment", ("setting",), min_points=1)
+    satisfaction = _series(lines, "cv", "user_satisfaction", ("setting",), min_points=1)
     for (setting,), series in by_cv.items():
         png = out_dir / f"{stem}-cv-{setting}.png"
         panels = [("SLO attainment (first token < 6 s)", "slo_attainment", series)]

@@ -67,6 +67,11 @@ def test_cv_sweep_draws_a_line_per_policy(tmp_path):
     assert set(drawn[png]["slo_attainment"]) == {"early-abort", "fcfs", "lcfs"}
     assert drawn[png]["slo_attainment"]["fcfs"] == [(1.0, 0.3), (2.0, 0.15), (4.0, 0.075), (8.0, 0.0375)]
     assert drawn[png]["user_satisfaction"]["early-abort"][0] == (1.0, 0.4)
+    # A policy measured at one cv so far shows as a point; a file of such points alone draws no figure.
+    one = line(policy="early-abort-deadline", cv=4.0, rate=16.0, slo_attainment=1.0, user_satisfaction=0.95)
+    drawn = plot_file(write(tmp_path / "cv.jsonl", lines + [one]))
+    assert drawn[png]["slo_attainment"]["early-abort-deadline"] == [(4.0, 1.0)]
+    assert not plot_file(write(tmp_path / "lone.jsonl", [one]))
 
 
 def test_bad_lines_name_the_file_and_line(tmp_path):
