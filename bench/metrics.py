@@ -66,9 +66,8 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
     for r in window:
         if not r.completed:
             errors[_error_kind(r)] += 1
-    # A stream that began (200) and then failed or outlasted the client was served, not refused.
     refused = np.array([r.finish_s - r.arrival_s for r in window
-                        if not r.completed and r.status not in (None, 200) and r.finish_s is not None])
+                        if not r.completed and _error_answer(r) and r.finish_s is not None])
     lags = [r.sent_s - r.arrival_s for r in records if r.sent_s is not None]
     tokens = sum(r.output_tokens for r in done)
     return {
@@ -98,11 +97,17 @@ def summarize(records: Sequence[RequestRecord], warmup_s: float, slo_s: float = 
     }
 
 
+def _error_answer(r) -> bool:
+    """The server answered with an error status (a refusal). A stream that began (200) and then failed or
+    outlasted the client was served, not refused; no status means no answer came."""
+    return r.status not in (None, 200)
+
+
 def _error_kind(r) -> str:
     """errors_by_status's key for a request that did not complete: the HTTP status of an error answer,
     "timeout" when the client gave up (whether or not the stream had begun), "stream" for a 200 stream
     that broke off, "none" when no answer came."""
-    if r.status not in (None, 200):
+    if _error_answer(r):
         return str(r.status)
     if r.error and r.error.startswith("timeout"):
         return "timeout"

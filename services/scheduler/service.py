@@ -410,10 +410,10 @@ class Scheduler:
 
     def _schedule(self, now: float) -> None:
         cfg = self.config
-        self.newest_first = newest_first = self._newest_first(now)  # kept for Pong
+        self.newest_first = self._newest_first(now)  # an attribute: Pong reports it
         views = [w.view(cfg.worker_max_running) for w in self.workers.values()]
         if self.queue and any(v.ready and v.free_requests > 0 for v in views):
-            window = list(islice(service_order(self.queue, newest_first, self.in_service), cfg.lookahead))
+            window = list(islice(service_order(self.queue, self.newest_first, self.in_service), cfg.lookahead))
             self._assign(plan(window, views, cfg.cluster_adapters, cfg.max_adapters_per_batch), now)
         # Early abort after assignment: whatever a worker could take now is served, whatever its age.
         for request in hopeless(self.queue, now, cfg.first_token_slo_s, self.estimator):
@@ -426,7 +426,7 @@ class Scheduler:
         # a worker's per-step statuses from each costing a walk of the queue head.
         if now >= self.next_hint:
             self.next_hint = now + TICK_S
-            self._hint(newest_first)
+            self._hint(self.newest_first)
 
     def _newest_first(self, now: float) -> bool:
         """S-LoRA's switch: newest first while arrivals outpace admissions; `deadline` also waits until the

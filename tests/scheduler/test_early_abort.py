@@ -64,7 +64,7 @@ def test_estimator_learns_a_cost_that_grows_with_the_prompt():
 def test_a_wait_every_prompt_shares_is_not_charged_to_long_prompts():
     """Assignment to first token is mostly a wait for the batch and its step, whatever the prompt's length:
     1 s +- 0.5 s here, prompts of 8..511 tokens. A long prompt's estimate stays near that 1 s (seconds / n per
-    sample would make short prompts read as ~0.1 s a token and a 511-token one as tens of seconds), so a
+    sample would make short prompts read as ~0.1 s a token and a 511-token one swing from 2 to 8 s), so a
     request that has just arrived is never hopeless."""
     est = PrefillEstimator()
     estimates = []
