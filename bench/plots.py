@@ -6,7 +6,9 @@
 - throughput and SLO attainment vs request rate: one figure per setting, a line per system and n;
 - SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy;
 - where each point's worker time went (steps by kind), for lines that record it (bench/plot_steps.py);
-- over all files: loraplex's throughput and roofline fraction vs n, a line per setting (`plot_settings`).
+- over all files: loraplex's throughput and roofline fraction vs n, a line per setting (`plot_settings`),
+  and every system measured on a baseline's trace vs n, log-scaled throughput (`plot_systems`): loraplex
+  and base-only live in the saturation sweeps, the baselines in their own, and they differ by 100x or more.
 Otherwise a line is drawn only where its x varies (two points at least). A point measured twice counts once (the
 later line: a rerun replaces it). `plot_file` returns what it drew, figure by figure, read back from the
 figures' own lines, so a caller (or a test) sees exactly the plotted series.
@@ -74,7 +76,7 @@ def _label(keys: tuple[str, ...], values: tuple, varying: list[int]) -> str:
 
 
 def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: str, logx: bool, path: Path,
-            log_base: int = 10) -> dict:
+            log_base: int = 10, logy: bool = False) -> dict:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,7 +98,10 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
             if log_base != 10:  # doubling steps (cv 1, 2, 4, 8) read best labelled with their own values
                 xs = sorted({p[0] for pts in series.values() for p in pts})
                 ax.set_xticks(xs, [f"{x:g}" for x in xs])
-        ax.set_ylim(bottom=0)  # ratios between lines read true only from a zero baseline
+        if logy:  # series orders of magnitude apart: equal ratios read as equal gaps
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)  # ratios between lines read true only from a zero baseline
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
@@ -175,9 +180,29 @@ def plot_settings(paths: list[str | Path], out_dir: str | Path | None = None) ->
                               "adapters (n)", True, png)}
 
 
+def plot_systems(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
+    """Throughput vs n of every system on the trace a baseline was measured on (setting, alpha, rate, cv,
+    policy), over all the files, one figure per setting, log-scaled throughput ({} without a baseline)."""
+    lines = [x for path in paths for x in read_lines(path)]
+    trace = ("setting", "alpha", "req_rate", "cv", "policy")
+    baseline_traces = {tuple(x[k] for k in trace) for x in lines if x["system"] not in ROOFLINE_SYSTEMS}
+    same_trace = [x for x in lines if tuple(x[k] for k in trace) in baseline_traces]
+    out = Path(out_dir) if out_dir is not None else Path(paths[0]).parent
+    written: dict[str, dict] = {}
+    for (setting,), series in _series(same_trace, "n_adapters", "throughput_rps", ("setting",), min_points=1).items():
+        if len(series) < 2:
+            continue
+        png = out / f"systems-throughput-vs-adapters-{setting}.png"
+        written[str(png)] = _figure([("throughput (req/s, log)", "throughput_rps", series)],
+                                    f"{setting}: every system on one trace, throughput vs number of adapters",
+                                    "adapters (n)", True, png, logy=True)
+    return written
+
+
 def plot_all(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
     written: dict[str, dict] = {}
     for path in paths:
         written.update(plot_file(path, out_dir))
     written.update(plot_settings(paths, out_dir))
+    written.update(plot_systems(paths, out_dir))
     return written

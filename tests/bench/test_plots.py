@@ -150,3 +150,23 @@ def test_worker_steps_of_a_policy_sweep_name_every_points_policy(tmp_path):
     drawn = plot_file(write(tmp_path / "one.jsonl", lines[:1]))
     assert [label for label, _ in drawn[str(tmp_path / "one-worker-steps.png")]["share"]["graph"]] == \
         ["S2 loraplex n=100 R=24 cv=8"]
+
+
+def test_systems_figure_puts_every_system_on_a_baselines_trace_together_log_scaled(tmp_path):
+    from bench.plots import plot_all
+
+    saturation = [line("loraplex", n, rate=40.0, throughput_rps=30.0 - n / 1000) for n in (5, 100, 2000)]
+    saturation += [line("base-only", 100, rate=40.0, throughput_rps=33.0)]
+    rate = [line("loraplex", 200, rate=r, throughput_rps=r) for r in (4.0, 8.0)]  # another trace: left out
+    baselines = [line("peft", n, rate=40.0, throughput_rps=t) for n, t in ((5, 0.08), (100, 0.17))]
+    baselines += [line("bmm", 5, rate=40.0, throughput_rps=4.9)]
+    files = [write(tmp_path / "sat.jsonl", saturation), write(tmp_path / "rate.jsonl", rate),
+             write(tmp_path / "base.jsonl", baselines)]
+    drawn = plot_all(files, tmp_path / "png")
+    png = str(tmp_path / "png" / "systems-throughput-vs-adapters-S2.png")
+    assert open(png, "rb").read(8) == PNG_MAGIC
+    assert drawn[png]["throughput_rps"] == {
+        "base-only": [(100.0, 33.0)], "bmm": [(5.0, 4.9)],
+        "loraplex": [(5.0, 29.995), (100.0, 29.9), (2000.0, 28.0)], "peft": [(5.0, 0.08), (100.0, 0.17)]}
+    # Without a baseline there is no such figure.
+    assert not any("systems-" in p for p in plot_all(files[:2], tmp_path / "none"))
