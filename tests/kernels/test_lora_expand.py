@@ -130,3 +130,15 @@ def test_an_eager_prefill_launch_walks_two_column_tiles_while_programs_stay_plen
     # multiprocessors idle.
     small = dict(common, num_tokens=100, num_groups=1, out_dims=(256,), width=256, num_segments=1, max_seg_len=100)
     assert choose_expand_config(**small).tiles_per_prog == 1
+
+
+def test_a_prefill_of_few_long_segments_keeps_wide_column_tiles():
+    from services.gpu_worker.kernels.lora_expand import choose_expand_config
+
+    # Two 1000-token prompts on one 256-column output: 2 segments x 2 tiles would look like too few programs,
+    # but the launch has a program per 64-token chunk (32 of them), so tiles stay 128 columns wide.
+    common = dict(num_tokens=2000, num_groups=1, out_dims=(256,), width=256, max_rank=64,
+                  device=torch.device("cpu"), segmented=True, num_segments=2)
+    assert choose_expand_config(**common, max_seg_len=1000).block_n == 128
+    # Two 3-token segments (an eager decode step) do have only 2 programs a tile: narrower tiles fill the GPU.
+    assert choose_expand_config(**{**common, "num_tokens": 6}, max_seg_len=3).block_n == 32

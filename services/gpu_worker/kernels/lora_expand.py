@@ -208,19 +208,23 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         return cdiv(max(out_dims), bn)
 
     units = num_segments if segmented and num_segments is not None else num_tokens
+    block_m, chunk = 16, 0
     if segmented:
         units = planned_segments(units, live_segments, segment_programs)
+        if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
+            # As in choose_shrink_config: 64-token chunks, 64-token tiles only for long segments on average.
+            chunk = PREFILL_CHUNK_TOKENS
+            block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
+            if not segment_programs:
+                # A program per 64-token chunk, so a prefill of few long segments still has thousands of
+                # programs: counting segments narrowed 5 adapters' tiles to 32 columns.
+                units = max(units, cdiv(num_tokens, chunk))
     block_n = pow2_divisor(width, 128)
     if block_n < 16:
         block_n = 64
     while block_n > 32 and units * num_groups * n_tiles_of(block_n) < target:
         block_n //= 2
     if segmented:
-        block_m, chunk = 16, 0
-        if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
-            # As in choose_shrink_config: 64-token chunks, 64-token tiles only for long segments on average.
-            chunk = PREFILL_CHUNK_TOKENS
-            block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
         # Measured at batch 256 only; the launch-shape sweep at batch 64 found several tiles a program slower.
         graph_bound = max_seg_len is None and not segment_programs
         # A lower bound on a prefill launch's programs at two tiles: every chunk holds at most `chunk` tokens.
