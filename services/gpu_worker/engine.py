@@ -308,7 +308,8 @@ class Engine:
             name = seq.req.adapter
             if self.merge is not None:
                 if not self.merge.admits(seq):
-                    break
+                    i += 1  # another adapter's (or a later arrival's): it waits for its own group
+                    continue
                 name = None  # its adapter is merged into the weights: it runs as a base-model request
             if name and not self.adapters.ready(name):
                 i += 1  # its load has started; requests behind it go first instead of the step waiting

@@ -3,8 +3,10 @@
 The running batch holds requests of one adapter only, or of the base model only. Before the first request
 of an adapter runs, W += s·B·A is applied to every adapted base weight; its requests then run as plain
 base-model requests (no LoRA op at all). The merge is undone (W -= s·B·A) only when that batch has drained
-and the oldest waiting request wants something else; requests are admitted in arrival order, so a request
-of the merged adapter that arrived after one of another adapter waits for the switch (no starvation).
+and the oldest waiting request wants something else. A batch is a group, as in the PEFT baseline's queue:
+when the batch drains, the oldest waiting request names the adapter, and every request of that adapter
+waiting at that moment may join, ahead of older requests of other adapters. Requests that arrive later wait
+for the next turn of their adapter, so the oldest request is never passed over for more than one batch.
 
 The adapter's A and Bᵀ rows come from the pool, where the usual residency code loads them; the merge holds
 one reference on it, so its rows stay put until the unmerge recomputes the same product from them.
@@ -32,27 +34,29 @@ class MergeMode:
         self.current: str | None = None  # adapter merged into the weights now; None = the base model
         self._resident: Resident | None = None
         self.merges = 0
+        self._group: set[str] = set()  # request ids that may join the running batch
 
     def admits(self, seq) -> bool:
-        """Whether a waiting request may join the running batch: only one of the merged adapter (or base)."""
-        return seq.req.adapter == self.current
+        """Whether a waiting request may join the running batch: one of the group taken when it began."""
+        return seq.req.request_id in self._group and seq.req.adapter == self.current
 
     def before_admission(self) -> None:
-        """Once the running batch has drained, switch the weights to what the oldest waiting request needs.
-        Requests whose adapter cannot be loaded fail here, as admission would fail them."""
+        """Once the running batch has drained, switch the weights to what the oldest waiting request needs and
+        take its adapter's waiting requests as the next group. Requests whose adapter cannot be loaded fail
+        here, as admission would fail them."""
         engine = self.engine
         while not engine.running and engine.waiting:
             wanted = engine.waiting[0].req.adapter
-            if wanted == self.current:
-                return
-            self.unmerge()
-            if wanted is None:
-                return
-            try:
-                self.merge(wanted)
-                return
-            except (KeyError, ValueError) as exc:
-                engine._fail(engine.waiting.popleft(), f"adapter {wanted!r} cannot be loaded: {exc}")
+            if wanted != self.current:
+                self.unmerge()
+                if wanted is not None:
+                    try:
+                        self.merge(wanted)
+                    except (KeyError, ValueError) as exc:
+                        engine._fail(engine.waiting.popleft(), f"adapter {wanted!r} cannot be loaded: {exc}")
+                        continue
+            self._group = {s.req.request_id for s in engine.waiting if s.req.adapter == wanted}
+            return
 
     def merge(self, name: str) -> None:
         res = self.engine.adapters.acquire(name)

@@ -209,8 +209,31 @@ def test_merge_switches_to_the_oldest_waiting_request_once_the_batch_drains(setu
             seen.append(engine.merge.current)
 
     run_engine(base, weights, workload, on_forward=record, lora_mode="merge")
-    # a2 arrived after b1, so it waits for b1's batch; b2 and b3 share one batch.
-    assert seen == ["r8", "r16", "r8", None, "r16"]
+    # The oldest request's adapter takes every waiting request of it: a2 joins a1's batch ahead of b1, then b1,
+    # b2 and b3 share one batch, then the base-model request runs.
+    assert seen == ["r8", "r16", None]
+
+
+def test_merge_takes_only_the_requests_waiting_when_its_batch_began(setup):
+    """A request of the merged adapter that arrives while its batch runs waits for the next turn: a steady
+    stream of one adapter never holds back an older request of another."""
+    base, _, weights, _, _ = setup
+    engine = Engine.from_model_dir(base, EngineConfig(max_lora_rank=16, max_resident_adapters=4, lora_mode="merge"))
+    for name in ("r8", "r16"):
+        engine.register_adapter(name, weights[name])
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(EngineRequest("a1", [5, 6, 7], params, adapter="r8"))
+    engine.add_request(EngineRequest("b1", [5, 6, 8], params, adapter="r16"))
+    engine.step()  # a1's batch begins; b1 is older than anything that arrives now
+    assert engine.merge.current == "r8" and {s.req.request_id for s in engine.running} == {"a1"}
+    engine.add_request(EngineRequest("a2", [5, 6, 9], params, adapter="r8"))
+    order = []
+    while engine.has_unfinished():
+        engine.step()
+        for s in engine.running:
+            if s.req.request_id not in order:
+                order.append(s.req.request_id)
+    assert order.index("b1") < order.index("a2"), order
 
 
 def test_unmerge_restores_the_base_weights(setup):
