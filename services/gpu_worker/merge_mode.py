@@ -38,7 +38,7 @@ class MergeMode:
 
     def admits(self, seq) -> bool:
         """Whether a waiting request may join the running batch: one of the group taken when it began."""
-        return seq.req.request_id in self._group and seq.req.adapter == self.current
+        return seq.req.request_id in self._group  # taken of the merged adapter's requests only
 
     def before_admission(self) -> None:
         """Once the running batch has drained, switch the weights to what the oldest waiting request needs and

@@ -227,9 +227,10 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     if segmented:
         # Measured at batch 256 only; the launch-shape sweep at batch 64 found several tiles a program slower.
         graph_bound = max_seg_len is None and not segment_programs
-        # A lower bound on a prefill launch's programs at two tiles: every chunk holds at most `chunk` tokens.
+        # `units` bounds a chunked launch's programs a column tile from below (a segment has a chunk at least,
+        # a chunk at most `chunk` tokens): two tiles a program while that still fills the GPU.
         prefill_wide = (block_m == 64 and not segment_programs
-                        and cdiv(num_tokens, chunk) * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
+                        and units * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
         two = (graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS) or prefill_wide
         tiles = 2 if two and n_tiles_of(block_n) >= 2 else 1
         return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, tiles_per_prog=tiles,
