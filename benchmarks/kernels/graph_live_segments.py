@@ -38,7 +38,7 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # graph's empty segment programs cost. "ci" (exact plans) launches one program per chunk of a long segment
 # that holds tokens, from the step's chunk list, as the engine's eager steps do (lora_groups.ChunkItems);
 # without it every segment gets the longest one's chunk count.
-# Each kernel's launch shape can be changed on its own. Expand: "nN" N-column tiles, "rN" N rank rows a dot, "wN" N
+# Each kernel's launch shape can be changed on its own. Expand: "emN" N-row tiles, "nN" N-column tiles, "rN" N rank rows a dot, "wN" N
 # warps, "sN" N pipeline stages, "tN" N column tiles walked by one program. Shrink: "skN" N-input tiles, "sxN" the
 # inputs split N ways, "srN" N rank columns a dot, "swN" N warps, "ssN" N pipeline stages.
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
@@ -83,6 +83,8 @@ class Plan:
                 fields["programs"] = int(word[1:])
             elif word == "ci":
                 fields["chunk_items"] = True
+            elif word[:2] == "em" and word[2:].isdigit():  # expand's row tiles alone ("mN" sets both kernels')
+                fields["expand"] = fields.get("expand", ()) + (("block_m", int(word[2:])),)
             elif word[:2] in SHRINK_WORDS and word[2:].isdigit():
                 fields["shrink"] = fields.get("shrink", ()) + ((SHRINK_WORDS[word[:2]], int(word[2:])),)
             elif word[:1] in EXPAND_WORDS and word[1:].isdigit():

@@ -28,7 +28,8 @@ def test_smoke_run_launches_the_prefill_form_and_every_plan_matches(tmp_path):
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     rows = {r["plan"]: r for r in result["rows"]}
-    assert list(rows) == ["exact", "exact ci", "exact ci t2", "exact ci n16 w2", "exact ci sk16"]
+    assert list(rows) == ["exact", "exact ci", "exact ci t2", "exact ci n16 w2", "exact ci sk16",
+                          "exact ci em16"]
     assert result["distinct_adapters"] == 4 and all(r["segments"] == 4 for r in rows.values())
     # Runs longer than 64 tokens: the kernels split them into 64-token chunks, as an eager prefill step does;
     # "ci" launches the chunks that hold tokens from the step's list, not 4 segments times the longest's chunks.
@@ -39,5 +40,7 @@ def test_smoke_run_launches_the_prefill_form_and_every_plan_matches(tmp_path):
     assert rows["exact"]["chunk_items"] == 0
     assert rows["exact ci"]["chunk_items"] == sum(-(-n // 64) for n in runs) < 4 * -(-max(runs) // 64)
     assert rows["exact ci t2"]["expand"]["tiles_per_prog"] == 2 and rows["exact ci sk16"]["shrink"]["block_k"] == 16
+    # "em16" changes expand's row tiles alone.
+    assert rows["exact ci em16"]["expand"]["block_m"] == 16 and rows["exact ci em16"]["shrink"] == rows["exact ci"]["shrink"]
     assert all(r["max_rel_diff_vs_exact"] < 1e-5 for r in rows.values())
     assert "tokens over 4 adapters" in run.stderr

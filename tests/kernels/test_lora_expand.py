@@ -115,12 +115,16 @@ def test_a_graphs_launch_walks_two_column_tiles_a_program():
 def test_an_eager_prefill_launch_walks_two_column_tiles_while_programs_stay_plenty():
     from services.gpu_worker.kernels.lora_expand import choose_expand_config
 
-    # An S2 admission step (8687 tokens over 100 adapters, the longest run 504): 64-token chunks in 64-row
-    # tiles, two column tiles a program (4 multiprocessors on the CPU: at least 32 programs are left).
+    # An S2 admission step (8687 tokens over 100 adapters, the longest run 504): 64-token chunks in 16-row
+    # tiles (87 tokens a segment), two column tiles a program (4 multiprocessors on the CPU: at least 32
+    # programs are left).
     common = dict(num_tokens=8687, num_groups=3, out_dims=(4096, 4096, 4096), width=4096, max_rank=64,
                   device=torch.device("cpu"), segmented=True, num_segments=100, max_seg_len=504)
     prefill = choose_expand_config(**common)
-    assert (prefill.tiles_per_prog, prefill.chunk_tokens, prefill.block_m) == (2, 64, 64)
+    assert (prefill.tiles_per_prog, prefill.chunk_tokens, prefill.block_m) == (2, 64, 16)
+    # The same step over 5 adapters (1737 tokens a segment, full chunks): 64-row tiles.
+    few = choose_expand_config(**{**common, "num_segments": 5})
+    assert (few.tiles_per_prog, few.chunk_tokens, few.block_m) == (2, 64, 64)
     # An eager decode step's short segments keep one tile (slower at 5 adapters when measured).
     assert choose_expand_config(**{**common, "max_seg_len": 3}).tiles_per_prog == 1
     # Segments short on average (16-row tiles) keep one, as do segments shared out among fewer programs.

@@ -169,6 +169,12 @@ def _expand_segment(
 
 # A graph's launch walks two column tiles a program from this many tokens (see choose_expand_config).
 GRAPH_TILES_MIN_TOKENS = 256
+# A chunked prefill launch's 64-token chunks are walked in 64-row tiles from this many tokens a segment on
+# average, in 16-row ones below. On the H200 an S2 admission step (8687 tokens, benchmarks/kernels/
+# admission_shapes.py) over 100 adapters (87 tokens a segment, many chunks holding a decode token or two) took
+# 231 against 291 µs a layer for q,k,v and 401 against 514 for gate,up in 16-row tiles; over 5 adapters (1737 a
+# segment, full chunks) 64-row tiles were 1-7% faster.
+EXPAND_TALL_TILE_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -198,7 +204,8 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     8 programs a multiprocessor: each program then reads its chunk's y rows once for two tiles. On the H200
     an S2 admission step's expand (8687 tokens over 100 adapters, benchmarks/kernels/admission_shapes.py)
     went from 365 to 293 µs a layer for q,k,v, 124 to 101 for o, 647 to 519 for gate,up and 126 to 103 for
-    down, bit for bit the same output.
+    down, bit for bit the same output. Its chunks are walked in 16-row tiles unless segments are long on
+    average (EXPAND_TALL_TILE_TOKENS).
     live_segments, segment_programs: as in choose_shrink_config (a graph that shares its segments out among
     segment_programs programs has no empty ones, and keeps one tile a program; so do graphs of batches under
     GRAPH_TILES_MIN_TOKENS, where fewer of the segments are empty)."""
@@ -208,13 +215,15 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         return cdiv(max(out_dims), bn)
 
     units = num_segments if segmented and num_segments is not None else num_tokens
-    block_m, chunk = 16, 0
+    block_m, chunk, long_on_average = 16, 0, False
     if segmented:
         units = planned_segments(units, live_segments, segment_programs)
         if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
-            # As in choose_shrink_config: 64-token chunks, 64-token tiles only for long segments on average.
+            # As in choose_shrink_config: 64-token chunks; unlike shrink, 64-row tiles only from
+            # EXPAND_TALL_TILE_TOKENS a segment.
             chunk = PREFILL_CHUNK_TOKENS
-            block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
+            long_on_average = num_tokens >= 32 * (num_segments or 1)
+            block_m = 64 if num_tokens >= EXPAND_TALL_TILE_TOKENS * (num_segments or 1) else 16
             if not segment_programs:
                 # A program per 64-token chunk, so a prefill of few long segments still has thousands of
                 # programs: counting segments narrowed 5 adapters' tiles to 32 columns.
@@ -229,7 +238,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         graph_bound = max_seg_len is None and not segment_programs
         # `units` bounds a chunked launch's programs a column tile from below (a segment has a chunk at least,
         # a chunk at most `chunk` tokens): two tiles a program while that still fills the GPU.
-        prefill_wide = (block_m == 64 and not segment_programs
+        prefill_wide = (long_on_average and not segment_programs
                         and units * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
         two = (graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS) or prefill_wide
         tiles = 2 if two and n_tiles_of(block_n) >= 2 else 1
