@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                        "registry and blobs); set by --gpus for each lane")
     sweep.add_argument("--shard", default="", metavar="I/N",
                        help="take every N-th point still to run, from the I-th (set by --gpus for each lane)")
+    sweep.add_argument("--run", default="", metavar="ID",
+                       help="the run id its lines carry (default: this command's start time; set by --gpus for "
+                            "each lane, so that every lane's lines name one run)")
 
     plot = sub.add_parser("plot", help=COMMANDS_HELP["plot"], description=COMMANDS_HELP["plot"] + ".")
     plot.add_argument("files", nargs="*", help="result files (default docs/bench/*.jsonl)")
@@ -174,7 +177,7 @@ def cmd_sweep(args, argv) -> int:
         lane = f"gpu{args.gpu}"
     _unwind_on_sigterm()
     driver = Driver(spec, args.work_dir, results, args.budget_s, _command(argv), progress=not args.quiet,
-                    since=args.since, lane=lane, shard=shard, only=tuple(args.only))
+                    since=args.since, lane=lane, shard=shard, only=tuple(args.only), run=args.run)
     if spread:
         from bench.lanes import sweep_on_gpus
 

@@ -307,8 +307,11 @@ class PieceResult:
 class Driver:
     def __init__(self, spec: SweepSpec, work_dir: str | Path, results: str | Path, budget_s: float = DEFAULT_BUDGET_S,
                  command: str = "", progress: bool = True, roofline: bool = True, since: str = "",
-                 lane: str = "", shard: tuple[int, int] = (0, 1), only: tuple[str, ...] = ()):
+                 lane: str = "", shard: tuple[int, int] = (0, 1), only: tuple[str, ...] = (), run: str = ""):
         self.spec = spec
+        # One `loraplex bench sweep` command (its lanes share their parent's): a ratio target that asks for
+        # two points "in the same run" checks that both lines carry the same one (bench/targets.py).
+        self.run = run or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.only = tuple(only)  # key fragments: run only the points matching one of them
         self.lane = lane  # this driver's GPU among several on the host ("" = the only one)
         self.shard = shard
@@ -497,7 +500,7 @@ class Driver:
         wall = time.monotonic() - t0
         line.update(cpu.report(wall))
         self.timings.note("point_tail", self.timing_key(p.system), max(0.0, wall - p.duration_s))
-        line.update(key=point_key(p), sweep=self.spec.name, **info)
+        line.update(key=point_key(p), sweep=self.spec.name, run=self.run, **info)
         if self.lane:
             line["lane"] = self.lane
         if ceilings is not None:

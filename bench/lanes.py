@@ -24,9 +24,11 @@ LANE_FAILED = 1
 
 
 def lane_argv(spec: str, gpu: int, shard: int, shards: int, budget_s: float, work_dir: Path, out_dir: str,
-              since: str, quiet: bool, only: tuple[str, ...] = ()) -> list[str]:
+              since: str, quiet: bool, only: tuple[str, ...] = (), run: str = "") -> list[str]:
     argv = [sys.executable, "-m", "shared.cli", "bench", "sweep", spec, "--budget-s", f"{budget_s:.0f}",
             "--work-dir", str(work_dir), "--out-dir", out_dir, "--gpu", str(gpu), "--shard", f"{shard}/{shards}"]
+    if run:
+        argv += ["--run", run]
     if since:
         argv += ["--since", since]
     for text in only:
@@ -84,7 +86,7 @@ def sweep_on_gpus(driver, spec_path: str, gpus: list[int], work_dir: Path, out_d
             sys.stdout.write("stopped: adapter generation reached the budget; run the same command again to continue\n")
             return MORE_PIECES
     budget = driver.left()
-    argvs = [lane_argv(spec_path, gpu, i, len(gpus), budget, work_dir, out_dir, since, quiet, driver.only)
+    argvs = [lane_argv(spec_path, gpu, i, len(gpus), budget, work_dir, out_dir, since, quiet, driver.only, driver.run)
              for i, gpu in enumerate(gpus)]
     codes = run_lanes(argvs, [f"gpu{gpu}" for gpu in gpus])
     done = done_keys(driver.results, since)

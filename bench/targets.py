@@ -6,7 +6,8 @@ rooflines differ (a step at n = 2000 reads ~240 adapters' rows that n = 5 never 
 ratio is what two servers at 100% of their rooflines would give at the running batch the rooflines assume
 (the server's, 256), so a target above it cannot be met by a faster server at that batch. Points are the
 saturation points (cv = 1, alpha = 1, early abort) at the highest rate measured, each its latest line
-(`plots.read_lines`).
+(`plots.read_lines`). The PEFT ratio asks for both points "measured in the same run": both lines must carry
+the same `run` (bench/driver.py), or its status says they do not.
 """
 from __future__ import annotations
 
@@ -66,15 +67,23 @@ def absolute(points: dict, setting: str, n: int, floor_rps: float) -> Verdict:
     return Verdict(target, f"{rps:.1f} req/s ({_day(p)})", bound, status)
 
 
-def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int], factor: float) -> Verdict:
-    """num's throughput ≥ factor × den's; both (system, n) of one setting."""
+def one_run(a: dict, b: dict) -> bool:
+    """Both lines from one `loraplex bench sweep` command (the `run` the driver stamps; older lines have none)."""
+    return bool(a.get("run")) and a.get("run") == b.get("run")
+
+
+def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int], factor: float,
+          same_run: bool = False) -> Verdict:
+    """num's throughput ≥ factor × den's; both (system, n) of one setting. With same_run the target asks for
+    both points from one run, and a ratio of two runs' lines says so in its status."""
     name = lambda s, n: f"n = {n}" if s == "loraplex" else f"{s} n = {n}"  # noqa: E731
     target = f"{setting} {name(*num)} ≥ {factor:g} × {name(*den)}"
     a, b = points.get((setting, *num)), points.get((setting, *den))
     if a is None or b is None:
         return Verdict(target, "", "", "not measured")
     measured = a["throughput_rps"] / b["throughput_rps"]
-    text = f"{a['throughput_rps']:.1f} / {b['throughput_rps']:.2f} = {measured:.2f}× ({_day(a)}, {_day(b)})"
+    when = f"one run, {_day(a)}" if one_run(a, b) else f"{_day(a)}, {_day(b)}"
+    text = f"{a['throughput_rps']:.1f} / {b['throughput_rps']:.2f} = {measured:.2f}× ({when})"
     bound, status = "", "met" if measured >= factor else "missed"
     ra, rb = a.get("roofline_rps"), b.get("roofline_rps")
     if ra and rb and b["system"] not in ("peft", "merge"):  # a baseline's roofline is loraplex's own trace
@@ -82,6 +91,8 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
         bound = f"rooflines' ratio {limit:.3f}"
         if measured < factor and limit < factor:
             status = "missed, beyond the roofline"
+    if same_run and not one_run(a, b):
+        status += ", but not from one run"
     if measured < factor and a.get("worker_steps") and b.get("worker_steps"):
         status += f"; {where_the_time_goes(a['worker_steps'], b['worker_steps'])}"
     return Verdict(target, text, bound, status)
@@ -123,7 +134,7 @@ def verdicts(paths: list[str | Path]) -> list[Verdict]:
         absolute(points, "S2", 2000, 30.0),
         ratio(points, "S2", ("loraplex", 2000), ("loraplex", 5), 0.9),
         ratio(points, "S2", ("loraplex", 100), ("base-only", 100), 0.9),
-        ratio(points, "S2", ("loraplex", 100), ("peft", 100), 30.0),
+        ratio(points, "S2", ("loraplex", 100), ("peft", 100), 30.0, same_run=True),
         roofline_fractions(points),
     ]
 

@@ -1,6 +1,7 @@
 """The sweep driver: a spec expanded to points grouped by stack, pieces planned into a wall-time budget, one
 JSON line per point, resumable without running a point twice. The two-piece sweep runs the real command
 (`loraplex bench sweep`) against real tiny stacks on the CPU."""
+import datetime
 import json
 import subprocess
 import sys
@@ -89,6 +90,9 @@ def test_a_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
     assert (lines[0]["registration"]["created"], lines[0]["registration"]["already"]) == (3, 0)
     assert lines[3]["registration"]["created"] == 0 and lines[3]["registration"]["already"] >= 2
     assert (work / "records" / "tiny-two").is_dir()
+    # Each command is one run: the first piece's three lines name one, the second piece's line another.
+    assert lines[0]["run"] == lines[1]["run"] == lines[2]["run"] != lines[3]["run"]
+    assert datetime.datetime.fromisoformat(lines[0]["run"]).tzinfo is not None
 
 
 def test_a_point_running_past_the_budget_is_cut_off_and_its_tail_remembered(tmp_path):
@@ -273,6 +277,7 @@ def test_a_sweep_spread_over_two_gpus_runs_each_point_once_in_its_own_lane(tmp_p
     assert first.returncode == 0, first.stdout + first.stderr
     lines = results(out)
     assert sorted((x["n_adapters"], x["lane"]) for x in lines) == [(2, "gpu0"), (3, "gpu1")]
+    assert lines[0]["run"] == lines[1]["run"]  # the lanes carry their parent's run
     assert all(x["n_completed"] > 0 for x in lines)
     assert "[gpu0]" in first.stderr and "[gpu1]" in first.stderr
     # Each lane counts the sweep's points, then its own share.
@@ -371,3 +376,6 @@ def test_only_runs_the_points_whose_key_matches_and_lanes_pass_it_on(tmp_path):
     assert "n=2000" not in listed and "n=5/" not in listed
     argv = lane_argv(str(spec_path), 1, 0, 2, 500, tmp_path, str(tmp_path), "", True, ("/n=5/", "base-only"))
     assert argv[argv.index("--only"):argv.index("--only") + 4] == ["--only", "/n=5/", "--only", "base-only"]
+    assert "--run" not in argv
+    run = lane_argv(str(spec_path), 1, 0, 2, 500, tmp_path, str(tmp_path), "", True, (), "2026-12-02T15:00:00+00:00")
+    assert run[run.index("--run") + 1] == "2026-12-02T15:00:00+00:00"
