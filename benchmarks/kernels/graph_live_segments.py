@@ -38,8 +38,8 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # graph's empty segment programs cost. "ci" (exact plans) launches one program per chunk of a long segment
 # that holds tokens, from the step's chunk list, as the engine's eager steps do (lora_groups.ChunkItems);
 # without it every segment gets the longest one's chunk count.
-# Each kernel's launch shape can be changed on its own. Expand: "emN" N-row tiles, "nN" N-column tiles, "rN" N rank rows a dot, "wN" N
-# warps, "sN" N pipeline stages, "tN" N column tiles walked by one program. Shrink: "skN" N-input tiles, "sxN" the
+# Each kernel's launch shape can be changed on its own. Expand: "emN" N-row tiles, "nN" N-column tiles, "rN" N
+# rank rows a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles walked by one program. Shrink: "skN" N-input tiles, "sxN" the
 # inputs split N ways, "srN" N rank columns a dot, "swN" N warps, "ssN" N pipeline stages.
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
 # the inputs in other splits and orders, so bf16 results differ by rounding only.

@@ -41,6 +41,7 @@ def test_smoke_run_launches_the_prefill_form_and_every_plan_matches(tmp_path):
     assert rows["exact ci"]["chunk_items"] == sum(-(-n // 64) for n in runs) < 4 * -(-max(runs) // 64)
     assert rows["exact ci t2"]["expand"]["tiles_per_prog"] == 2 and rows["exact ci sk16"]["shrink"]["block_k"] == 16
     # "em16" changes expand's row tiles alone.
-    assert rows["exact ci em16"]["expand"]["block_m"] == 16 and rows["exact ci em16"]["shrink"] == rows["exact ci"]["shrink"]
+    em16 = rows["exact ci em16"]
+    assert em16["expand"]["block_m"] == 16 and em16["shrink"] == rows["exact ci"]["shrink"]
     assert all(r["max_rel_diff_vs_exact"] < 1e-5 for r in rows.values())
     assert "tokens over 4 adapters" in run.stderr

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
-from .lora_groups import PREFILL_CHUNK_TOKENS
+from .lora_groups import PREFILL_CHUNK_TOKENS, long_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
     segment_chunk, segment_launch, segment_programs_of,
@@ -215,14 +215,14 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         return cdiv(max(out_dims), bn)
 
     units = num_segments if segmented and num_segments is not None else num_tokens
-    block_m, chunk, long_on_average = 16, 0, False
+    block_m, chunk, long_segments = 16, 0, False
     if segmented:
         units = planned_segments(units, live_segments, segment_programs)
         if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
             # As in choose_shrink_config: 64-token chunks; unlike shrink, 64-row tiles only from
             # EXPAND_TALL_TILE_TOKENS a segment.
             chunk = PREFILL_CHUNK_TOKENS
-            long_on_average = num_tokens >= 32 * (num_segments or 1)
+            long_segments = long_on_average(num_tokens, num_segments)
             block_m = 64 if num_tokens >= EXPAND_TALL_TILE_TOKENS * (num_segments or 1) else 16
             if not segment_programs:
                 # A program per 64-token chunk, so a prefill of few long segments still has thousands of
@@ -238,7 +238,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         graph_bound = max_seg_len is None and not segment_programs
         # `units` bounds a chunked launch's programs a column tile from below (a segment has a chunk at least,
         # a chunk at most `chunk` tokens): two tiles a program while that still fills the GPU.
-        prefill_wide = (long_on_average and not segment_programs
+        prefill_wide = (long_segments and not segment_programs
                         and units * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
         two = (graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS) or prefill_wide
         tiles = 2 if two and n_tiles_of(block_n) >= 2 else 1

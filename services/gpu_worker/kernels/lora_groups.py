@@ -18,6 +18,13 @@ from .checks import check_tensor
 PREFILL_CHUNK_TOKENS = 64
 
 
+def long_on_average(num_tokens: int, num_segments: int | None) -> bool:
+    """Whether a chunked launch's segments average 32 tokens or more (its chunks are mostly full, where a
+    decode step grouped by adapter has a few tokens a segment): shrink's 64-row tiles, expand's two column
+    tiles a program."""
+    return num_tokens >= 32 * (num_segments or 1)
+
+
 @dataclass
 class ChunkItems:
     """Every (segment, chunk) pair that holds tokens, for a launch of one program per pair: table[0] the

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
-from .lora_groups import PREFILL_CHUNK_TOKENS
+from .lora_groups import PREFILL_CHUNK_TOKENS, long_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
     segment_chunk, segment_launch, segment_programs_of,
@@ -282,7 +282,7 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
             # Long runs (prefill) are cut into 64-token chunks, one program each. 64-token tiles only when
             # segments are long on average; a decode step grouped by adapter has a few tokens a segment.
             chunk = PREFILL_CHUNK_TOKENS
-            block_m = 64 if num_tokens >= 32 * (num_segments or 1) else 16
+            block_m = 64 if long_on_average(num_tokens, num_segments) else 16
             n_units = num_segments * cdiv(max_seg_len, chunk) if num_segments else cdiv(num_tokens, chunk)
     else:
         n_units = num_tokens
