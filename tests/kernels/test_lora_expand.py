@@ -121,12 +121,14 @@ def test_an_eager_prefill_launch_walks_two_column_tiles_while_programs_stay_plen
     common = dict(num_tokens=8687, num_groups=3, out_dims=(4096, 4096, 4096), width=4096, max_rank=64,
                   device=torch.device("cpu"), segmented=True, num_segments=100, max_seg_len=504)
     prefill = choose_expand_config(**common)
-    assert (prefill.tiles_per_prog, prefill.chunk_tokens, prefill.block_m) == (2, 64, 16)
-    # The same step over 5 adapters (1737 tokens a segment, full chunks): 64-row tiles.
+    assert (prefill.tiles_per_prog, prefill.chunk_tokens, prefill.block_m, prefill.block_r) == (2, 64, 16, 16)
+    # The same step over 5 adapters (1737 tokens a segment, full chunks): 64-row tiles, 32-row rank steps.
     few = choose_expand_config(**{**common, "num_segments": 5})
-    assert (few.tiles_per_prog, few.chunk_tokens, few.block_m) == (2, 64, 64)
-    # An eager decode step's short segments keep one tile (slower at 5 adapters when measured).
-    assert choose_expand_config(**{**common, "max_seg_len": 3}).tiles_per_prog == 1
+    assert (few.tiles_per_prog, few.chunk_tokens, few.block_m, few.block_r) == (2, 64, 64, 32)
+    # An eager decode step's short segments keep one tile (slower at 5 adapters when measured) and 32-row
+    # rank steps: the 16-row ones were measured on prefill launches only.
+    decode = choose_expand_config(**{**common, "max_seg_len": 3})
+    assert (decode.tiles_per_prog, decode.block_r) == (1, 32)
     # Segments short on average (16-row tiles) keep one, as do segments shared out among fewer programs.
     assert choose_expand_config(**{**common, "num_tokens": 300}).tiles_per_prog == 1
     assert choose_expand_config(**common, live_segments=32, segment_programs=32).tiles_per_prog == 1

@@ -90,6 +90,20 @@ def test_a_graph_plans_its_input_split_for_the_segments_that_carry_tokens():
     assert choose_shrink_config(**{**common, "num_segments": 1}) == planned
 
 
+def test_a_prefill_of_few_long_prompts_reads_its_inputs_in_narrower_tiles():
+    # An S2 admission step of 8687 tokens: over 5 adapters (1737 tokens a segment) 64-column input tiles,
+    # over 100 (87 a segment) and in a decode step the widest the slot rows allow.
+    common = dict(num_tokens=8687, num_groups=3, fan_in=4096, width=4096, max_rank=64, device=torch.device("cpu"),
+                  segmented=True, num_segments=5, max_seg_len=2000)
+    few = choose_shrink_config(**common)
+    assert (few.block_k, few.block_m, few.chunk_tokens) == (64, 64, 64)
+    many = choose_shrink_config(**{**common, "num_segments": 100, "max_seg_len": 504})
+    assert (many.block_k, many.block_m) == (128, 64)
+    assert choose_shrink_config(**{**common, "max_seg_len": None}).block_k == 128
+    # Slot rows narrower than 64 columns keep their own width.
+    assert choose_shrink_config(**{**common, "width": 32}).block_k == 32
+
+
 def test_live_segments_change_the_launch_and_not_the_result():
     lp = LoraPool(ALIGNED_CFG, torch.float32, seed=23)
     gen = torch.Generator().manual_seed(24)

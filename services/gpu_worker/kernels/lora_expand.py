@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
-from .lora_groups import PREFILL_CHUNK_TOKENS, long_on_average
+from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
     segment_chunk, segment_launch, segment_programs_of,
@@ -169,12 +169,13 @@ def _expand_segment(
 
 # A graph's launch walks two column tiles a program from this many tokens (see choose_expand_config).
 GRAPH_TILES_MIN_TOKENS = 256
-# A chunked prefill launch's 64-token chunks are walked in 64-row tiles from this many tokens a segment on
-# average, in 16-row ones below. On the H200 an S2 admission step (8687 tokens, benchmarks/kernels/
-# admission_shapes.py) over 100 adapters (87 tokens a segment, many chunks holding a decode token or two) took
-# 231 against 291 µs a layer for q,k,v and 401 against 514 for gate,up in 16-row tiles; over 5 adapters (1737 a
-# segment, full chunks) 64-row tiles were 1-7% faster.
-EXPAND_TALL_TILE_TOKENS = 512
+# A chunked prefill launch whose segments are short on average (lora_groups.full_on_average) walks its
+# 64-token chunks in 16-row tiles and its ranks 16 rows at a time. On the H200 an S2 admission step (8687 tokens,
+# benchmarks/kernels/admission_shapes.py) over 100 adapters (87 tokens a segment, many chunks holding a decode
+# token or two, ranks 8 to 64) took 231 against 291 µs a layer for q,k,v and 401 against 514 for gate,up in
+# 16-row tiles, and 16-row rank steps took those to 201 and 348 (o 85 to 78, down 85 to 79): a rank-8 or -16
+# adapter no longer pays for 32 rows. Over 5 adapters (1737 a segment, full chunks) 64-row tiles and 32-row rank
+# steps were 1-7% faster.
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     an S2 admission step's expand (8687 tokens over 100 adapters, benchmarks/kernels/admission_shapes.py)
     went from 365 to 293 µs a layer for q,k,v, 124 to 101 for o, 647 to 519 for gate,up and 126 to 103 for
     down, bit for bit the same output. Its chunks are walked in 16-row tiles unless segments are long on
-    average (EXPAND_TALL_TILE_TOKENS).
+    average (lora_groups.full_on_average), and then its ranks 16 rows at a time.
     live_segments, segment_programs: as in choose_shrink_config (a graph that shares its segments out among
     segment_programs programs has no empty ones, and keeps one tile a program; so do graphs of batches under
     GRAPH_TILES_MIN_TOKENS, where fewer of the segments are empty)."""
@@ -219,11 +220,11 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     if segmented:
         units = planned_segments(units, live_segments, segment_programs)
         if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
-            # As in choose_shrink_config: 64-token chunks; unlike shrink, 64-row tiles only from
-            # EXPAND_TALL_TILE_TOKENS a segment.
+            # As in choose_shrink_config: 64-token chunks; unlike shrink, 64-row tiles only when segments are
+            # full on average, and 16-row rank steps otherwise.
             chunk = PREFILL_CHUNK_TOKENS
             long_segments = long_on_average(num_tokens, num_segments)
-            block_m = 64 if num_tokens >= EXPAND_TALL_TILE_TOKENS * (num_segments or 1) else 16
+            block_m = 64 if full_on_average(num_tokens, num_segments) else 16
             if not segment_programs:
                 # A program per 64-token chunk, so a prefill of few long segments still has thousands of
                 # programs: counting segments narrowed 5 adapters' tiles to 32 columns.
@@ -242,7 +243,9 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
                         and units * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
         two = (graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS) or prefill_wide
         tiles = 2 if two and n_tiles_of(block_n) >= 2 else 1
-        return ExpandConfig(block_r=16 if max_rank <= 16 else 32, block_n=block_n, tiles_per_prog=tiles,
+        short_prefill = chunk and block_m == 16
+        return ExpandConfig(block_r=16 if max_rank <= 16 or short_prefill else 32, block_n=block_n,
+                            tiles_per_prog=tiles,
                             block_m=block_m, chunk_tokens=chunk, segment_programs=segment_programs)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
 

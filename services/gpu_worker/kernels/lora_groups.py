@@ -25,6 +25,18 @@ def long_on_average(num_tokens: int, num_segments: int | None) -> bool:
     return num_tokens >= 32 * (num_segments or 1)
 
 
+# A chunked launch whose segments average this many tokens (8 full chunks) is a prefill of few long prompts;
+# below it, of many short ones beside decode tokens. On the H200 an S2 admission step (8687 tokens,
+# benchmarks/kernels/admission_shapes.py) sits at 1737 tokens a segment over 5 adapters and 87 over 100, and
+# the launch shapes that won at one lost at the other (choose_shrink_config, choose_expand_config).
+FULL_SEGMENT_TOKENS = 512
+
+
+def full_on_average(num_tokens: int, num_segments: int | None) -> bool:
+    """Whether a chunked launch's segments average FULL_SEGMENT_TOKENS or more."""
+    return num_tokens >= FULL_SEGMENT_TOKENS * (num_segments or 1)
+
+
 @dataclass
 class ChunkItems:
     """Every (segment, chunk) pair that holds tokens, for a launch of one program per pair: table[0] the
