@@ -6,9 +6,11 @@
 - throughput and SLO attainment vs request rate: one figure per setting, a line per system and n;
 - SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy;
 - where each point's worker time went (steps by kind), for lines that record it (bench/plot_steps.py);
+- the peak KV and adapter slots of points on a pool the sweep sized, against it (bench/plot_pool.py);
 - over all files: loraplex's throughput and roofline fraction vs n, a line per setting (`plot_settings`),
   and every system measured on a baseline's trace vs n, log-scaled throughput (`plot_systems`): loraplex
-  and base-only live in the saturation sweeps, the baselines in their own, and they differ by 100x or more.
+  and base-only live in the saturation sweeps, the baselines in their own, and they differ by 100x or more;
+  both leave out points measured on a pool the sweep sized (`fixed_pool`).
 Otherwise a line is drawn only where its x varies (two points at least). A point measured twice counts once (the
 later line: a rerun replaces it). `plot_file` returns what it drew, figure by figure, read back from the
 figures' own lines, so a caller (or a test) sees exactly the plotted series.
@@ -19,6 +21,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from bench.plot_pool import plot_pool
 from bench.plot_steps import plot_steps
 
 ROOFLINE_SYSTEMS = ("loraplex", "base-only")  # the systems the targets compare; other baselines share the trace
@@ -26,6 +29,13 @@ ROOFLINE = " roofline"  # label suffix of a roofline series, drawn dashed
 OFFERED = "offered"  # the rate the load client sent, drawn dashed in grey: served = offered below capacity
 GROUP_KEYS = ("setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy")
 LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": "", "setting": ""}
+
+
+def fixed_pool(line: dict) -> bool:
+    """Whether the point's stack ran on a pool the sweep sized (`num_slots`: the memory-bound comparison of
+    bench/sweeps/s2-memory.yaml) rather than on the whole GPU: a smaller server, left out of the figures and
+    targets that compare points across files. Older lines say so in their stack command only."""
+    return bool(line.get("num_slots")) or "--num-slots" in (line.get("stack_command") or "")
 
 
 def read_lines(path: str | Path) -> list[dict]:
@@ -158,6 +168,12 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
         written[str(png)] = _figure(panels, f"{setting}: SLO attainment vs burstiness, by admission policy",
                                     "arrival cv", True, png, log_base=2)
 
+    png = out_dir / f"{stem}-pool.png"
+    pool = plot_pool([x for x in lines if fixed_pool(x)],
+                     f"{stem}: the pool the sweep sized, and what each point did with it", png)
+    if pool:
+        written[str(png)] = pool
+
     png = out_dir / f"{stem}-worker-steps.png"
     steps = plot_steps(lines, f"{stem}: where the worker's step time went", png)
     if steps:
@@ -168,7 +184,7 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
 def plot_settings(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
     """loraplex's throughput and roofline fraction vs number of adapters, a line per setting, over all the
     files: the settings side by side in one figure ({} unless two settings have a curve each)."""
-    lines = [x for path in paths for x in read_lines(path) if x["system"] == "loraplex"]
+    lines = [x for path in paths for x in read_lines(path) if x["system"] == "loraplex" and not fixed_pool(x)]
     panels = [("throughput (req/s)", "throughput_rps", _series(lines, "n_adapters", "throughput_rps", ()).get((), {})),
               ("fraction of the roofline", "roofline_fraction",
                _series(lines, "n_adapters", "roofline_fraction", ()).get((), {}))]
@@ -183,7 +199,7 @@ def plot_settings(paths: list[str | Path], out_dir: str | Path | None = None) ->
 def plot_systems(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
     """Throughput vs n of every system on the trace a baseline was measured on (setting, alpha, rate, cv,
     policy), over all the files, one figure per setting, log-scaled throughput ({} without a baseline)."""
-    lines = [x for path in paths for x in read_lines(path)]
+    lines = [x for path in paths for x in read_lines(path) if not fixed_pool(x)]
     trace = ("setting", "alpha", "req_rate", "cv", "policy")
     baseline_traces = {tuple(x[k] for k in trace) for x in lines if x["system"] not in ROOFLINE_SYSTEMS}
     same_trace = [x for x in lines if tuple(x[k] for k in trace) in baseline_traces]

@@ -317,7 +317,7 @@ def stack_info(stack: Stack) -> dict:
     """What a result line records about the server it measured."""
     c = stack.config
     info = {"stack_command": " ".join(stack.command()), "startup_s": round(stack.startup_s, 2),
-            "arena_bytes": c.arena_bytes or None}
+            "arena_bytes": c.arena_bytes or None, "num_slots": c.num_slots or None}
     if stack.registration is not None:
         info["registration"] = stack.registration.as_dict()
     return info

@@ -6,7 +6,7 @@ rooflines differ (a step at n = 2000 reads ~240 adapters' rows that n = 5 never 
 ratio is what two servers at 100% of their rooflines would give at the running batch the rooflines assume
 (the server's, 256), so a target above it cannot be met by a faster server at that batch. Points are the
 saturation points (cv = 1, alpha = 1, early abort) at the highest rate measured, each its latest line
-(`plots.read_lines`). The PEFT ratio asks for both points "measured in the same run": both lines must carry
+(`plots.read_lines`), on the whole GPU's pool (`plots.fixed_pool`). The PEFT ratio asks for both points "measured in the same run": both lines must carry
 the same `run` (bench/driver.py), or its status says they do not.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.plot_steps import KINDS
-from bench.plots import read_lines
+from bench.plots import fixed_pool, read_lines
 
 ROOFLINE_TARGET = 0.6
 
@@ -38,7 +38,7 @@ def saturation_points(paths: list[str | Path]) -> dict[tuple[str, str, int], dic
         for line in read_lines(path):
             if line["cv"] != 1 or line["alpha"] != 1 or line["policy"] != "early-abort":
                 continue
-            if line.get("throughput_rps") is None:
+            if line.get("throughput_rps") is None or fixed_pool(line):
                 continue
             key = (line["setting"], line["system"], int(line["n_adapters"]))
             if key not in best or _rate_then_time(line) > _rate_then_time(best[key]):

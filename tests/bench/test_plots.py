@@ -170,3 +170,44 @@ def test_systems_figure_puts_every_system_on_a_baselines_trace_together_log_scal
         "loraplex": [(5.0, 29.995), (100.0, 29.9), (2000.0, 28.0)], "peft": [(5.0, 0.08), (100.0, 0.17)]}
     # Without a baseline there is no such figure.
     assert not any("systems-" in p for p in plot_all(files[:2], tmp_path / "none"))
+
+
+def test_points_on_a_pool_the_sweep_sized_stay_out_of_the_figures_across_files(tmp_path):
+    from bench.plots import fixed_pool, plot_settings, plot_systems
+
+    saturation = [line("loraplex", n, rate=40.0, throughput_rps=28.0) for n in (5, 100)]
+    saturation += [line("loraplex", 5, rate=40.0, throughput_rps=29.0, setting="S1"),
+                   line("loraplex", 100, rate=40.0, throughput_rps=29.5, setting="S1")]
+    # The memory-bound comparison (bench/sweeps/s2-memory.yaml): n = 200 in 108k slots. Newer lines name
+    # num_slots; older ones only pass --num-slots in their stack command.
+    memory = [line("loraplex", 200, rate=40.0, throughput_rps=25.5, num_slots=108000),
+              line("no-unify", 200, rate=40.0, throughput_rps=18.9,
+                   stack_command="python3 -m shared.cli up --num-slots 108000 --port 1")]
+    baselines = [line("bmm", 100, rate=40.0, throughput_rps=3.6, stack_command="python3 -m shared.cli up --port 2")]
+    assert [fixed_pool(x) for x in memory + baselines] == [True, True, False]
+    files = [write(tmp_path / "sat.jsonl", saturation), write(tmp_path / "mem.jsonl", memory),
+             write(tmp_path / "base.jsonl", baselines)]
+    systems = plot_systems(files, tmp_path / "png")[str(tmp_path / "png" / "systems-throughput-vs-adapters-S2.png")]
+    assert systems["throughput_rps"] == {"bmm": [(100.0, 3.6)], "loraplex": [(5.0, 28.0), (100.0, 28.0)]}
+    settings = plot_settings(files, tmp_path / "png")[str(tmp_path / "png" / "settings-throughput-vs-adapters.png")]
+    assert all(200.0 not in dict(points) for points in settings["throughput_rps"].values())
+
+
+def test_points_on_a_sized_pool_get_a_figure_of_what_they_did_with_it(tmp_path):
+    peaks = dict(pool_total_slots=108000, running_requests_peak=256)
+    memory = [line("loraplex", 200, rate=40.0, throughput_rps=25.5, num_slots=108000, pool_kv_slots_peak=94395,
+                   pool_adapter_slots_peak=21472, **peaks),
+              line("no-unify", 200, rate=40.0, throughput_rps=18.9, num_slots=108000, pool_kv_slots_peak=53999,
+                   pool_adapter_slots_peak=22112, **{**peaks, "running_requests_peak": 149})]
+    drawn = plot_file(write(tmp_path / "mem.jsonl", memory))
+    png = str(tmp_path / "mem-pool.png")
+    assert open(png, "rb").read(8) == PNG_MAGIC
+    names = ["S2 loraplex n=200 R=40 cv=1", "S2 no-unify n=200 R=40 cv=1"]
+    assert drawn[png]["slots"] == {"KV cache, peak": list(zip(names, (94395.0, 53999.0))),
+                                   "adapters, peak": list(zip(names, (21472.0, 22112.0))),
+                                   "pool": list(zip(names, (108000.0, 108000.0)))}
+    assert drawn[png]["running_requests_peak"] == list(zip(names, (256.0, 149.0)))
+    assert drawn[png]["throughput_rps"] == list(zip(names, (25.5, 18.9)))
+    # Points on the whole GPU's pool get none.
+    whole = [{k: v for k, v in x.items() if k != "num_slots"} for x in memory]
+    assert not any(k.endswith("-pool.png") for k in plot_file(write(tmp_path / "whole.jsonl", whole)))

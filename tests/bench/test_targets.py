@@ -95,3 +95,13 @@ def test_a_same_run_target_is_met_only_by_two_lines_of_one_run(tmp_path):
     lines[0] = line("loraplex", 100, 5.0, 43.9, run=run)
     peft = {x.target: x for x in verdicts([write(tmp_path / "c.jsonl", lines)])}["S2 n = 100 ≥ 30 × peft n = 100"]
     assert peft.status == "missed, but not from one run"
+
+
+def test_a_point_on_a_pool_the_sweep_sized_is_not_a_saturation_point(tmp_path):
+    whole = line("loraplex", 100, 27.9, 43.9, started="2026-12-02T17:13:00+00:00")
+    sized = line("loraplex", 100, 20.0, 43.9, started="2026-12-02T17:22:00+00:00", num_slots=108000)
+    path = write(tmp_path / "s2.jsonl", [whole])
+    memory = write(tmp_path / "s2-memory.jsonl", [sized])
+    # The later line is on a smaller pool: the whole GPU's line stays the point.
+    assert saturation_points([path, memory])[("S2", "loraplex", 100)]["throughput_rps"] == 27.9
+    assert ("S2", "loraplex", 100) not in saturation_points([memory])
