@@ -103,6 +103,10 @@ def test_a_graphs_launch_walks_two_column_tiles_a_program():
                   device=torch.device("cpu"), segmented=True, num_segments=256)
     graph = choose_expand_config(**common)
     assert graph.tiles_per_prog == 2 and graph.block_n == 128
+    # Its ranks are stepped 16 rows at a time (many adapters' mixed ranks); a few-adapter graph's programs,
+    # which share the segments out, keep 32-row steps.
+    assert graph.block_r == 16
+    assert choose_expand_config(**common, live_segments=32, segment_programs=32).block_r == 32
     assert choose_expand_config(**common, max_seg_len=3).tiles_per_prog == 1
     assert choose_expand_config(**common, live_segments=32, segment_programs=32).tiles_per_prog == 1
     assert choose_expand_config(**{**common, "out_dims": (128, 128, 128), "width": 128}).tiles_per_prog == 1

@@ -243,9 +243,15 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
                         and units * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
         two = (graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS) or prefill_wide
         tiles = 2 if two and n_tiles_of(block_n) >= 2 else 1
+        # 16-row rank steps where many adapters' mixed ranks share a launch: a chunked prefill of short
+        # segments (above) and a graph planned for every segment (one replayed by steps of more than
+        # cuda_graph_few_adapters adapters). On the H200 at batch 256 over 100 adapters (S2, ranks 8-64) the
+        # latter's q,k,v expand took 43.8 against 48.9 µs with two tiles a program and 54.0 against 71.5 with
+        # one (docs/results/graph_live_segments_expand_tiles.json); over 5 adapters, which replay the
+        # few-adapter graphs, two tiles lost 5-14% with them.
         short_prefill = chunk and block_m == 16
-        return ExpandConfig(block_r=16 if max_rank <= 16 or short_prefill else 32, block_n=block_n,
-                            tiles_per_prog=tiles,
+        rank16 = max_rank <= 16 or short_prefill or graph_bound
+        return ExpandConfig(block_r=16 if rank16 else 32, block_n=block_n, tiles_per_prog=tiles,
                             block_m=block_m, chunk_tokens=chunk, segment_programs=segment_programs)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
 
