@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.plot_steps import point_label
+from bench.plot_steps import point_label, save_rows_figure
 
 USES = (("pool_kv_slots_peak", "KV cache, peak"), ("pool_adapter_slots_peak", "adapters, peak"))
 RESULTS = (("running_requests_peak", "running requests, peak"), ("throughput_rps", "throughput (req/s)"))
@@ -48,14 +48,5 @@ def plot_pool(lines: list[dict], title: str, path: Path) -> dict:
         ax.set_yticks(range(len(rows)), [""] * len(rows))
         ax.set_xlabel(name)
         drawn[key] = list(zip(labels, values))
-    for ax in axes:
-        ax.invert_yaxis()  # the file's order, top to bottom
-        ax.grid(True, axis="x", alpha=0.3)
-    fig.legend(*slots_ax.get_legend_handles_labels(), loc="lower center", ncol=len(USES) + 1, fontsize=9)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.subplots_adjust(bottom=fig.subplotpars.bottom + 0.35 / fig_height)  # room for the legend
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_rows_figure(fig, axes, slots_ax, len(USES) + 1, title, fig_height, path)
     return drawn

@@ -52,15 +52,22 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     share_ax.set_xlabel("share of the worker's step time")
     mean_ax.set_yticks(range(len(rows)), labels)
     mean_ax.set_xlabel("mean step (ms)")
-    for ax in (share_ax, mean_ax):
-        ax.invert_yaxis()  # the file's order, top to bottom
+    save_rows_figure(fig, (share_ax, mean_ax), share_ax, len(KINDS), title, fig_height, path)
+    return drawn
+
+
+def save_rows_figure(fig, axes, legend_ax, legend_columns: int, title: str, fig_height: float, path: Path) -> None:
+    """Finish a figure of one row per point across `axes` (the file's order, top to bottom), with one legend
+    (`legend_ax`'s) below every panel, clear of the bars, and write it to `path`."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.invert_yaxis()
         ax.grid(True, axis="x", alpha=0.3)
-    # One legend below both panels, clear of the bars.
-    fig.legend(*share_ax.get_legend_handles_labels(), loc="lower center", ncol=len(KINDS), fontsize=9)
+    fig.legend(*legend_ax.get_legend_handles_labels(), loc="lower center", ncol=legend_columns, fontsize=9)
     fig.suptitle(title)
     fig.tight_layout()
     fig.subplots_adjust(bottom=fig.subplotpars.bottom + 0.35 / fig_height)  # room for the legend
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return drawn
