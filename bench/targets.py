@@ -6,8 +6,9 @@ rooflines differ (a step at n = 2000 reads ~240 adapters' rows that n = 5 never 
 ratio is what two servers at 100% of their rooflines would give at the running batch the rooflines assume
 (the server's, 256), so a target above it cannot be met by a faster server at that batch. Points are the
 saturation points (cv = 1, alpha = 1, early abort) at the highest rate measured, each its latest line
-(`plots.read_lines`), on the whole GPU's pool (`plots.fixed_pool`). The PEFT ratio asks for both points "measured in the same run": both lines must carry
-the same `run` (bench/driver.py), or its status says they do not.
+(`plots.read_lines`), on the whole GPU's pool (`plots.fixed_pool`). The PEFT ratio asks for both points
+"measured in the same run": both lines must carry the same `run` (bench/driver.py), or its status says they
+do not.
 """
 from __future__ import annotations
 
