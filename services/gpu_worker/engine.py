@@ -300,19 +300,23 @@ class Engine:
         if self.merge is not None:
             self.merge.before_admission()
         self._admitting = self._admitting or self._admission_due()
-        i = 0  # waiting requests passed over because their adapter is still on its way from the store
-        while (self._admitting and i < len(self.waiting) and i < ADMISSION_SCAN and budget > 0
+        i = 0  # position in the waiting queue
+        passed = 0  # waiting requests passed over because their adapter is still on its way from the store
+        while (self._admitting and i < len(self.waiting) and passed < ADMISSION_SCAN and budget > 0
                and len(self.running) < self.config.max_running_requests):
             seq = self.waiting[i]
             n = min(seq.remaining, budget)
             name = seq.req.adapter
             if self.merge is not None:
                 if not self.merge.admits(seq):
-                    i += 1  # another adapter's (or a later arrival's): it waits for its own group
+                    # Another adapter's (or a later arrival's): it waits for its own group. Not counted as
+                    # passed over: the group's members may sit anywhere in the queue, and each is a set lookup.
+                    i += 1
                     continue
                 name = None  # its adapter is merged into the weights: it runs as a base-model request
             if name and not self.adapters.ready(name):
                 i += 1  # its load has started; requests behind it go first instead of the step waiting
+                passed += 1
                 continue
             try:
                 need = n + (self.adapters.slots_to_load(name) if name else 0)

@@ -236,6 +236,26 @@ def test_merge_takes_only_the_requests_waiting_when_its_batch_began(setup):
     assert order.index("b1") < order.index("a2"), order
 
 
+def test_merge_takes_its_whole_group_however_deep_in_the_queue(setup):
+    """Every waiting request of the merged adapter joins its batch, even behind more requests of other
+    adapters than the admission scan passes over for loads in flight (ADMISSION_SCAN)."""
+    from services.gpu_worker.engine import ADMISSION_SCAN
+
+    base, _, weights, _, _ = setup
+    engine = Engine.from_model_dir(base, EngineConfig(max_lora_rank=16, max_resident_adapters=4, lora_mode="merge"))
+    for name in ("r8", "r16"):
+        engine.register_adapter(name, weights[name])
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(EngineRequest("a0", [5, 6, 7], params, adapter="r8"))
+    for k in range(ADMISSION_SCAN + 4):
+        engine.add_request(EngineRequest(f"b{k}", [5, 6, 8], params, adapter="r16"))
+    engine.add_request(EngineRequest("a1", [5, 6, 9], params, adapter="r8"))
+    engine.step()
+    assert engine.merge.current == "r8"
+    assert {s.req.request_id for s in engine.running} == {"a0", "a1"}
+    assert len(engine.waiting) == ADMISSION_SCAN + 4
+
+
 def test_unmerge_restores_the_base_weights(setup):
     base, cfg, weights, workload, _ = setup
     engine = Engine.from_model_dir(base, EngineConfig(max_lora_rank=16, max_resident_adapters=4, lora_mode="merge"))
