@@ -214,14 +214,19 @@ def test_merge_switches_to_the_oldest_waiting_request_once_the_batch_drains(setu
     assert seen == ["r8", "r16", None]
 
 
-def test_merge_takes_only_the_requests_waiting_when_its_batch_began(setup):
-    """A request of the merged adapter that arrives while its batch runs waits for the next turn: a steady
-    stream of one adapter never holds back an older request of another."""
+def merge_engine(setup):
+    """A merge-mode engine with r8 and r16 registered, and sampling parameters for its requests."""
     base, _, weights, _, _ = setup
     engine = Engine.from_model_dir(base, EngineConfig(max_lora_rank=16, max_resident_adapters=4, lora_mode="merge"))
     for name in ("r8", "r16"):
         engine.register_adapter(name, weights[name])
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return engine, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def test_merge_takes_only_the_requests_waiting_when_its_batch_began(setup):
+    """A request of the merged adapter that arrives while its batch runs waits for the next turn: a steady
+    stream of one adapter never holds back an older request of another."""
+    engine, params = merge_engine(setup)
     engine.add_request(EngineRequest("a1", [5, 6, 7], params, adapter="r8"))
     engine.add_request(EngineRequest("b1", [5, 6, 8], params, adapter="r16"))
     engine.step()  # a1's batch begins; b1 is older than anything that arrives now
@@ -241,11 +246,7 @@ def test_merge_takes_its_whole_group_however_deep_in_the_queue(setup):
     adapters than the admission scan passes over for loads in flight (ADMISSION_SCAN)."""
     from services.gpu_worker.engine import ADMISSION_SCAN
 
-    base, _, weights, _, _ = setup
-    engine = Engine.from_model_dir(base, EngineConfig(max_lora_rank=16, max_resident_adapters=4, lora_mode="merge"))
-    for name in ("r8", "r16"):
-        engine.register_adapter(name, weights[name])
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine, params = merge_engine(setup)
     engine.add_request(EngineRequest("a0", [5, 6, 7], params, adapter="r8"))
     for k in range(ADMISSION_SCAN + 4):
         engine.add_request(EngineRequest(f"b{k}", [5, 6, 8], params, adapter="r16"))
