@@ -169,13 +169,6 @@ def _expand_segment(
 
 # A graph's launch walks two column tiles a program from this many tokens (see choose_expand_config).
 GRAPH_TILES_MIN_TOKENS = 256
-# A chunked prefill launch whose segments are short on average (lora_groups.full_on_average) walks its
-# 64-token chunks in 16-row tiles and its ranks 16 rows at a time. On the H200 an S2 admission step (8687 tokens,
-# benchmarks/kernels/admission_shapes.py) over 100 adapters (87 tokens a segment, many chunks holding a decode
-# token or two, ranks 8 to 64) took 231 against 291 µs a layer for q,k,v and 401 against 514 for gate,up in
-# 16-row tiles, and 16-row rank steps took those to 201 and 348 (o 85 to 78, down 85 to 79): a rank-8 or -16
-# adapter no longer pays for 32 rows. Over 5 adapters (1737 a segment, full chunks) 64-row tiles and 32-row rank
-# steps were 1-7% faster.
 
 
 @dataclass(frozen=True)
@@ -205,8 +198,8 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     8 programs a multiprocessor: each program then reads its chunk's y rows once for two tiles. On the H200
     an S2 admission step's expand (8687 tokens over 100 adapters, benchmarks/kernels/admission_shapes.py)
     went from 365 to 293 µs a layer for q,k,v, 124 to 101 for o, 647 to 519 for gate,up and 126 to 103 for
-    down, bit for bit the same output. Its chunks are walked in 16-row tiles unless segments are long on
-    average (lora_groups.full_on_average), and then its ranks 16 rows at a time.
+    down, bit for bit the same output. Its chunks are walked in 16-row tiles with 16-row rank steps unless
+    its segments are full on average (lora_groups.full_on_average).
     live_segments, segment_programs: as in choose_shrink_config (a graph that shares its segments out among
     segment_programs programs has no empty ones, and keeps one tile a program; so do graphs of batches under
     GRAPH_TILES_MIN_TOKENS, where fewer of the segments are empty)."""
@@ -216,15 +209,21 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         return cdiv(max(out_dims), bn)
 
     units = num_segments if segmented and num_segments is not None else num_tokens
-    block_m, chunk, long_segments = 16, 0, False
+    block_m, chunk, long_segments, short_prefill = 16, 0, False, False
     if segmented:
         units = planned_segments(units, live_segments, segment_programs)
         if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
             # As in choose_shrink_config: 64-token chunks; unlike shrink, 64-row tiles only when segments are
-            # full on average, and 16-row rank steps otherwise.
+            # full on average, 16-row tiles and rank steps otherwise. On the H200 an S2 admission step (8687
+            # tokens, benchmarks/kernels/admission_shapes.py) over 100 adapters (87 tokens a segment, many chunks
+            # holding a decode token or two, ranks 8 to 64) took 231 against 291 µs a layer for q,k,v and 401
+            # against 514 for gate,up in 16-row tiles, and 16-row rank steps took those to 201 and 348 (o 85 to
+            # 78, down 85 to 79): a rank-8 or -16 adapter no longer pays for 32 rows. Over 5 adapters (1737 a
+            # segment, full chunks) 64-row tiles and 32-row rank steps were 1-7% faster.
             chunk = PREFILL_CHUNK_TOKENS
             long_segments = long_on_average(num_tokens, num_segments)
-            block_m = 64 if full_on_average(num_tokens, num_segments) else 16
+            short_prefill = not full_on_average(num_tokens, num_segments)
+            block_m = 16 if short_prefill else 64
             if not segment_programs:
                 # A program per 64-token chunk, so a prefill of few long segments still has thousands of
                 # programs: counting segments narrowed 5 adapters' tiles to 32 columns.
@@ -249,10 +248,9 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         # latter's q,k,v expand took 43.8 against 48.9 µs with two tiles a program and 54.0 against 71.5 with
         # one (docs/results/graph_live_segments_expand_tiles.json); over 5 adapters, which replay the
         # few-adapter graphs, two tiles lost 5-14% with them.
-        short_prefill = chunk and block_m == 16
-        rank16 = max_rank <= 16 or short_prefill or graph_bound
-        return ExpandConfig(block_r=16 if rank16 else 32, block_n=block_n, tiles_per_prog=tiles,
-                            block_m=block_m, chunk_tokens=chunk, segment_programs=segment_programs)
+        return ExpandConfig(block_r=16 if max_rank <= 16 or short_prefill or graph_bound else 32, block_n=block_n,
+                            tiles_per_prog=tiles, block_m=block_m, chunk_tokens=chunk,
+                            segment_programs=segment_programs)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
 
 
