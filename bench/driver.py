@@ -90,13 +90,23 @@ class SweepSpec:
     startup_s: float = 60.0  # a stack's start, registration aside (an H200 starts Llama-2-7B shapes in ~45 s)
     point_tail_s: float = 30.0  # a point's time beyond its duration (the queue draining, summaries)
     stop_s: float = 30.0
-    max_running: int = 256  # the server's largest running batch, for the roofline
+    # The server's largest running batch, for the roofline; a `set` entry worker.max_running_requests=N sets it,
+    # so the roofline always assumes the batch the stack was started with.
+    max_running: int = 256
 
     def __post_init__(self) -> None:
         for name in ("systems", "n", "rates", "cvs", "alphas", "policies", "set"):
             value = getattr(self, name)
             if not isinstance(value, list):
                 setattr(self, name, [value])
+        for entry in self.set:
+            key, _, value = str(entry).partition("=")
+            if key.strip() == "worker.max_running_requests":
+                try:
+                    self.max_running = int(value)
+                except ValueError:
+                    raise ValueError(f"sweep {self.name!r}: set: worker.max_running_requests must be an integer, "
+                                     f"got {value!r}") from None
         get_setting(self.setting)
         for system in self.systems:
             check_system(system)

@@ -171,10 +171,19 @@ def test_a_stack_starts_only_if_its_start_first_point_and_stop_fit_in_the_time_l
     ({"setting": "S2", "systems": ["loraplex"], "n": [5], "rates": [10], "policies": ["sjf"]}, "admission policy"),
     ({"setting": "S2", "systems": ["loraplex"], "n": [5]}, "lacks rates"),
     ({"setting": "S2", "systems": ["loraplex"], "n": [5], "rates": [10], "warmup_s": 200}, "warmup_s"),
+    ({"setting": "S2", "systems": ["loraplex"], "n": [5], "rates": [10],
+      "set": ["worker.max_running_requests=many"]}, "max_running_requests must be an integer"),
 ])
 def test_bad_specs_are_refused_naming_the_problem(values, message):
     with pytest.raises(ValueError, match=message):
         SweepSpec.from_dict(values, default_name="bad")
+
+
+def test_the_roofline_batch_follows_the_stacks_running_batch():
+    base = {"name": "x", "setting": "S-GQA", "systems": ["loraplex"], "n": [5], "rates": [10]}
+    assert SweepSpec.from_dict(base).max_running == 256
+    spec = SweepSpec.from_dict({**base, "set": ["worker.max_batched_tokens=8192", "worker.max_running_requests=512"]})
+    assert spec.max_running == 512
 
 
 def test_every_shipped_spec_loads():
