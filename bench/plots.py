@@ -28,7 +28,12 @@ ROOFLINE_SYSTEMS = ("loraplex", "base-only")  # the systems the targets compare;
 ROOFLINE = " roofline"  # label suffix of a roofline series, drawn dashed
 OFFERED = "offered"  # the rate the load client sent, drawn dashed in grey: served = offered below capacity
 GROUP_KEYS = ("setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy")
-LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": "", "setting": ""}
+LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": "", "setting": "",
+               "batch": "batch"}
+# A line's curve also depends on the running batch its stack was capped at (a sweep's
+# worker.max_running_requests; the roofline assumes it): read_lines adds it as `batch`.
+SERIES_KEYS = GROUP_KEYS + ("batch",)
+DEFAULT_BATCH = 256  # the server's default max_running_requests, which lines without a roofline batch ran
 
 
 def fixed_pool(line: dict) -> bool:
@@ -51,7 +56,19 @@ def read_lines(path: str | Path) -> list[dict]:
         missing = [k for k in GROUP_KEYS if k not in line]
         if missing:
             raise ValueError(f"{path}:{number}: result line lacks {', '.join(missing)}")
-        by_point[tuple(line[k] for k in GROUP_KEYS) + (line.get("duration_s"),)] = line
+        line["batch"] = int(line.get("roofline_batch") or DEFAULT_BATCH)
+        by_point[tuple(line[k] for k in SERIES_KEYS) + (line.get("duration_s"),)] = line
+    return list(by_point.values())
+
+
+def latest_per_point(lines: list[dict]) -> list[dict]:
+    """Lines of several files, one per point (the latest started): a point two sweeps measured (S2 n = 100 in
+    the saturation and the baselines sweeps) is drawn once."""
+    by_point: dict[tuple, dict] = {}
+    for line in lines:
+        key = tuple(line[k] for k in SERIES_KEYS)
+        if key not in by_point or line.get("started_at", "") >= by_point[key].get("started_at", ""):
+            by_point[key] = line
     return list(by_point.values())
 
 
@@ -59,12 +76,13 @@ def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...], min
             ) -> dict[tuple, dict[str, list]]:
     """{figure key: {label: sorted [(x, y)]}}, lines = every group key but x; only lines with `min_points`+
     points, and only figures with one line of 2+ points at least."""
-    line_keys = tuple(k for k in GROUP_KEYS if k != x and k not in figure_keys)
+    line_keys = tuple(k for k in SERIES_KEYS if k != x and k not in figure_keys)
     grouped: dict[tuple, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
     for line in lines:
         if line.get(y) is None:
             continue
-        grouped[tuple(line[k] for k in figure_keys)][tuple(line[k] for k in line_keys)].append((line[x], line[y]))
+        grouped[tuple(line[k] for k in figure_keys)][tuple(line.get(k, DEFAULT_BATCH) if k == "batch" else line[k]
+                                                            for k in line_keys)].append((line[x], line[y]))
     out: dict[tuple, dict[str, list]] = {}
     for fig, by_line in grouped.items():
         by_line = {k: sorted(v) for k, v in by_line.items() if len({p[0] for p in v}) >= min_points}
@@ -184,7 +202,8 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
 def plot_settings(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
     """loraplex's throughput and roofline fraction vs number of adapters, a line per setting, over all the
     files: the settings side by side in one figure ({} unless two settings have a curve each)."""
-    lines = [x for path in paths for x in read_lines(path) if x["system"] == "loraplex" and not fixed_pool(x)]
+    lines = latest_per_point([x for path in paths for x in read_lines(path)
+                              if x["system"] == "loraplex" and not fixed_pool(x)])
     panels = [("throughput (req/s)", "throughput_rps", _series(lines, "n_adapters", "throughput_rps", ()).get((), {})),
               ("fraction of the roofline", "roofline_fraction",
                _series(lines, "n_adapters", "roofline_fraction", ()).get((), {}))]
@@ -199,7 +218,7 @@ def plot_settings(paths: list[str | Path], out_dir: str | Path | None = None) ->
 def plot_systems(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
     """Throughput vs n of every system on the trace a baseline was measured on (setting, alpha, rate, cv,
     policy), over all the files, one figure per setting, log-scaled throughput ({} without a baseline)."""
-    lines = [x for path in paths for x in read_lines(path) if not fixed_pool(x)]
+    lines = latest_per_point([x for path in paths for x in read_lines(path) if not fixed_pool(x)])
     trace = ("setting", "alpha", "req_rate", "cv", "policy")
     baseline_traces = {tuple(x[k] for k in trace) for x in lines if x["system"] not in ROOFLINE_SYSTEMS}
     same_trace = [x for x in lines if tuple(x[k] for k in trace) in baseline_traces]

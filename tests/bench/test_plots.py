@@ -211,3 +211,25 @@ def test_points_on_a_sized_pool_get_a_figure_of_what_they_did_with_it(tmp_path):
     # Points on the whole GPU's pool get none.
     whole = [{k: v for k, v in x.items() if k != "num_slots"} for x in memory]
     assert not any(k.endswith("-pool.png") for k in plot_file(write(tmp_path / "whole.jsonl", whole)))
+
+
+def test_across_files_a_point_is_drawn_once_and_running_batches_get_lines_of_their_own(tmp_path):
+    from bench.plots import plot_all
+
+    sat = [line(n=n, setting="S2", rate=40.0, throughput_rps=t, roofline_fraction=0.6, started_at=f"2026-12-01T0{i}")
+           for i, (n, t) in enumerate([(5, 30.0), (100, 27.0), (2000, 24.0)])]
+    # S2 n = 100 again in a baselines sweep, later: that line is the point's.
+    base = [line(n=100, setting="S2", rate=40.0, throughput_rps=28.0, roofline_fraction=0.6, started_at="2026-12-02T00"),
+            line("peft", 100, setting="S2", rate=40.0, throughput_rps=0.3, started_at="2026-12-02T00")]
+    bigger = [line(n=n, setting="S2", rate=40.0, throughput_rps=t, roofline_fraction=0.65, roofline_batch=384,
+                   started_at="2026-12-03T00") for n, t in [(100, 31.0), (2000, 27.0)]]
+    gqa = [line(n=n, setting="S-GQA", rate=60.0, throughput_rps=30.0, roofline_fraction=0.5) for n in (5, 100)]
+    files = [write(tmp_path / "sat.jsonl", sat), write(tmp_path / "base.jsonl", base),
+             write(tmp_path / "bigger.jsonl", bigger), write(tmp_path / "gqa.jsonl", gqa)]
+    drawn = plot_all(files, tmp_path / "png")
+    throughput = drawn[str(tmp_path / "png" / "settings-throughput-vs-adapters.png")]["throughput_rps"]
+    assert throughput["S2 R=40 batch=256"] == [(5.0, 30.0), (100.0, 28.0), (2000.0, 24.0)]
+    assert throughput["S2 R=40 batch=384"] == [(100.0, 31.0), (2000.0, 27.0)]
+    assert throughput["S-GQA R=60 batch=256"] == [(5.0, 30.0), (100.0, 30.0)]
+    systems = drawn[str(tmp_path / "png" / "systems-throughput-vs-adapters-S2.png")]["throughput_rps"]
+    assert systems["loraplex batch=256"] == [(5.0, 30.0), (100.0, 28.0), (2000.0, 24.0)]

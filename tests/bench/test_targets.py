@@ -105,3 +105,17 @@ def test_a_point_on_a_pool_the_sweep_sized_is_not_a_saturation_point(tmp_path):
     # The later line is on a smaller pool: the whole GPU's line stays the point.
     assert saturation_points([path, memory])[("S2", "loraplex", 100)]["throughput_rps"] == 27.9
     assert ("S2", "loraplex", 100) not in saturation_points([memory])
+
+
+def test_a_ratio_of_two_running_batches_is_not_compared(tmp_path):
+    path = write(tmp_path / "s2.jsonl", [
+        line("loraplex", 2000, 27.3, 42.3, roofline_batch=384), line("loraplex", 5, 29.9, 45.1, roofline_batch=256),
+        line("loraplex", 100, 31.3, 46.9, roofline_batch=384), line("base-only", 100, 32.3, 48.7, roofline_batch=384),
+        line("peft", 100, 0.3, 46.9, roofline_batch=256),
+    ])
+    v = {x.target: x for x in verdicts([path])}
+    far = v["S2 n = 2000 ≥ 0.9 × n = 5"]
+    assert far.status == "not comparable: running batches 384 and 256 (measure both at one)"
+    assert "0.91×" in far.measured
+    assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "met"  # both at 384
+    assert v["S2 n = 100 ≥ 30 × peft n = 100"].status.startswith("met")  # a baseline's batch is its own
