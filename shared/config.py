@@ -40,6 +40,11 @@ class EngineConfig:
     admission_batch: int = _doc("with a full running batch, admit waiting requests once this many places are free "
                                 "(capped at max_running_requests / 8 and at the queue length), so prefill runs in "
                                 "few eager steps and decode steps stay graph-replayed; 1 = admit at every step", 32)
+    admission_wait_s: float = _doc("with a busy batch, a round starts once a whole round's places are free, or once "
+                                   "the longest-waiting request has waited this long; 0 = as soon as every waiting "
+                                   "request has a place (the scheduler refills the queue one request per finished "
+                                   "one, so at saturation rounds then shrink to a few prompts each: an eager step "
+                                   "apiece, docs/benchmarks.md)", 0.0)
     max_model_len: int = _doc("prompt + output tokens at most; 0 = model's max_position_embeddings", 0)
     seed: int = _doc("seed for dummy weights", 0)
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
@@ -88,6 +93,9 @@ class EngineConfig:
                              f"less than num_slots ({self.num_slots})")
         if isinstance(self.admission_batch, bool) or not isinstance(self.admission_batch, int) or self.admission_batch < 1:
             raise ValueError(f"admission_batch must be an integer >= 1 (1 = admit at every step), got {self.admission_batch!r}")
+        if isinstance(self.admission_wait_s, bool) or not isinstance(self.admission_wait_s, (int, float)) \
+                or not self.admission_wait_s >= 0:
+            raise ValueError(f"admission_wait_s must be a number of seconds >= 0, got {self.admission_wait_s!r}")
         unknown = [m for m in self.graph_lora_targets() if m not in MODULES]
         if unknown:
             raise ValueError(f"cuda_graph_lora_targets: unknown module(s) {', '.join(unknown)}; adaptable modules "

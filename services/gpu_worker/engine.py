@@ -361,12 +361,20 @@ class Engine:
         """Whether an admission round starts now. Each step that admits requests carries their prefill and
         runs eagerly (only pure decode steps replay CUDA graphs); admitting one request as each finishes would
         make nearly every step eager at saturation. So with a busy batch, admission waits until a round's
-        worth of places is free, then continues step after step until the batch is full or the queue empty."""
+        worth of places is free, then continues step after step until the batch is full or the queue empty.
+        A round's worth is at most what waits; with admission_wait_s it is a whole round unless a request has
+        waited that long, since the queue, refilled one request per finished one, is short right after a round."""
         if not self.waiting:
             return False
+        if not self.running:
+            return True
         free = self.config.max_running_requests - len(self.running) + finishing
-        need = min(self.admission_round, len(self.waiting))
-        return not self.running or free >= need
+        if free < min(self.admission_round, len(self.waiting)):
+            return False
+        wait_s = self.config.admission_wait_s
+        if not wait_s or free >= self.admission_round:
+            return True
+        return time.monotonic() - min(seq.queued_at for seq in self.waiting) >= wait_s
 
     def _give_slots(self, seq: Sequence, n: int) -> None:
         new = self.pool.allocator.allocate(n)

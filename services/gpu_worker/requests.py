@@ -1,6 +1,8 @@
 """Request-side types of the engine: what comes in, what goes out, and a request's running state."""
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +47,7 @@ class Sequence:
         self.num_computed = 0
         self.adapter: Resident | None = None
         self.generator = req.sampling.make_generator()
+        self.queued_at = time.monotonic()  # when the engine got it; a preempted request keeps its place in time
 
     @property
     def request_id(self) -> str:

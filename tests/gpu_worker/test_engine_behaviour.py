@@ -173,6 +173,41 @@ def test_busy_batch_admits_waiting_requests_in_rounds(model_dir):
     assert {f"wait{i}" for i in range(6)} <= set(results) and engine.pool.allocator.num_used == 0
 
 
+def _steps_until_admitted(engine: Engine, request_id: str, age_s: float = 0.0) -> int:
+    """32 running requests finishing one a step from the third step on, then one more arriving: the step at
+    which it joins the batch (its wait made `age_s` older than it is)."""
+    for i in range(32):
+        engine.add_request(EngineRequest(f"run{i}", [3, 4, 5], SamplingParams(max_tokens=i + 2, ignore_eos=True)))
+    engine.step()
+    engine.add_request(EngineRequest(request_id, [6, 7], SamplingParams(max_tokens=40, ignore_eos=True)))
+    engine.waiting[-1].queued_at -= age_s
+    for step in range(1, 20):
+        engine.step()
+        if any(seq.request_id == request_id for seq in engine.running):
+            drain(engine)
+            return step
+    raise AssertionError(f"{request_id} was never admitted")
+
+
+def test_admission_wait_holds_a_busy_batch_for_a_whole_round(model_dir):
+    # A round is min(admission_batch 4, 32 // 8) = 4 places; one request waits.
+    eager = _steps_until_admitted(engine_for(model_dir, max_running_requests=32, admission_batch=4), "late")
+    patient = engine_for(model_dir, max_running_requests=32, admission_batch=4, admission_wait_s=60.0)
+    held = _steps_until_admitted(patient, "late")
+    # Without a wait it joins at the first free place; with one, once four places are free: three steps later.
+    assert held == eager + 3, (eager, held)
+    assert patient.pool.allocator.num_used == 0
+    # A request that has already waited admission_wait_s joins at the first free place again.
+    overdue = engine_for(model_dir, max_running_requests=32, admission_batch=4, admission_wait_s=60.0)
+    assert _steps_until_admitted(overdue, "late", age_s=61.0) == eager
+
+
+@pytest.mark.parametrize("value", [-1.0, True, "soon"])
+def test_admission_wait_must_be_seconds(value):
+    with pytest.raises(ValueError, match="admission_wait_s must be a number of seconds >= 0"):
+        EngineConfig(admission_wait_s=value)
+
+
 def test_admission_batch_of_one_refills_every_step(model_dir):
     engine = engine_for(model_dir, max_running_requests=16, admission_batch=1)
     for i in range(16):
