@@ -63,12 +63,17 @@ def main() -> int:
         adapter = names[int(rng.integers(0, len(names)))] if names else None
         engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(8, 512)),
                                                                          ignore_eos=True), adapter))
-    # Warm-up: the first steps compile kernels and capture graphs; measure after --warmup seconds of running.
+    # Warm-up: the first steps compile kernels, capture graphs and load adapters, and the batch fills from the
+    # queue in admission rounds; measure once --warmup seconds have passed and the batch has been full once
+    # (or after four times --warmup, where the pool bounds the batch), so a large --max-running measures its
+    # steady state rather than its ramp.
     steps = {"graph": [], "eager": []}
     launches = {"graph": [], "eager": []}
     done, out_tokens = 0, 0
     t_start = time.perf_counter()
     warm_until = t_start + args.warmup
+    give_up_filling = t_start + 4 * args.warmup
+    filled = False
     t0 = None
     while engine.has_unfinished():
         s0 = time.perf_counter()
@@ -76,7 +81,8 @@ def main() -> int:
         launched = time.perf_counter() - s0
         outs = engine.finish_step(flight)  # waits for this flight's tokens (steps launched ahead included)
         dt = time.perf_counter() - s0
-        if t0 is None and s0 >= warm_until:
+        filled = filled or len(engine.running) >= args.max_running
+        if t0 is None and s0 >= warm_until and (filled or s0 >= give_up_filling):
             t0 = s0
         if t0 is not None:
             kind = "graph" if flight.replayed else "eager"
@@ -86,6 +92,10 @@ def main() -> int:
             done += sum(1 for o in outs if o.finished)
             if time.perf_counter() - t0 >= args.seconds:
                 break
+    if t0 is None:
+        print(f"the trace ran out before its warm-up ended ({args.requests} requests): raise --requests",
+              file=sys.stderr)
+        return 1
     wall = time.perf_counter() - t0
     result = {"model": args.model, "adapters": args.adapters, "seconds": wall, "completed": done,
               "req_per_s": done / wall, "out_tok_per_s": out_tokens / wall,
@@ -95,6 +105,7 @@ def main() -> int:
               "graph_launch_ms": 1e3 * float(np.mean(launches["graph"])) if launches["graph"] else None,
               "eager_launch_ms": 1e3 * float(np.mean(launches["eager"])) if launches["eager"] else None,
               "eager_time_share": sum(steps["eager"]) / wall, "running_at_end": len(engine.running),
+              "warmup_s": t0 - t_start, "filled_in_warmup": filled,
               "preemptions": engine.num_preemptions, "pool_slots": engine.pool.num_slots,
               "config": {k: v for k, v in extra.items() if v != getattr(EngineConfig, k)}}
     print(json.dumps(result), flush=True)
