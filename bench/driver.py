@@ -45,6 +45,7 @@ from typing import Callable
 import yaml
 
 from bench import child_env, write_file_atomically
+from bench.roofline import MAX_RUNNING
 from bench.settings import Setting, get_setting
 from bench.stack import NO_UNIFY_ADAPTERS, Stack, StackConfig, check_policy, check_system
 
@@ -92,7 +93,7 @@ class SweepSpec:
     stop_s: float = 30.0
     # The server's largest running batch, for the roofline; a `set` entry worker.max_running_requests=N sets it,
     # so the roofline always assumes the batch the stack was started with.
-    max_running: int = 256
+    max_running: int = MAX_RUNNING
 
     def __post_init__(self) -> None:
         for name in ("systems", "n", "rates", "cvs", "alphas", "policies", "set"):

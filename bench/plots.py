@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.plot_pool import plot_pool
+from bench.roofline import MAX_RUNNING
 from bench.plot_steps import plot_steps
 
 ROOFLINE_SYSTEMS = ("loraplex", "base-only")  # the systems the targets compare; other baselines share the trace
@@ -33,7 +34,6 @@ LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv",
 # A line's curve also depends on the running batch its stack was capped at (a sweep's
 # worker.max_running_requests; the roofline assumes it): read_lines adds it as `batch`.
 SERIES_KEYS = GROUP_KEYS + ("batch",)
-DEFAULT_BATCH = 256  # the server's default max_running_requests, which lines without a roofline batch ran
 
 
 def fixed_pool(line: dict) -> bool:
@@ -56,7 +56,7 @@ def read_lines(path: str | Path) -> list[dict]:
         missing = [k for k in GROUP_KEYS if k not in line]
         if missing:
             raise ValueError(f"{path}:{number}: result line lacks {', '.join(missing)}")
-        line["batch"] = int(line.get("roofline_batch") or DEFAULT_BATCH)
+        line["batch"] = int(line.get("roofline_batch") or MAX_RUNNING)  # lines before it was a setting ran the default
         by_point[tuple(line[k] for k in SERIES_KEYS) + (line.get("duration_s"),)] = line
     return list(by_point.values())
 
@@ -81,8 +81,7 @@ def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...], min
     for line in lines:
         if line.get(y) is None:
             continue
-        grouped[tuple(line[k] for k in figure_keys)][tuple(line.get(k, DEFAULT_BATCH) if k == "batch" else line[k]
-                                                            for k in line_keys)].append((line[x], line[y]))
+        grouped[tuple(line[k] for k in figure_keys)][tuple(line[k] for k in line_keys)].append((line[x], line[y]))
     out: dict[tuple, dict[str, list]] = {}
     for fig, by_line in grouped.items():
         by_line = {k: sorted(v) for k, v in by_line.items() if len({p[0] for p in v}) >= min_points}

@@ -8,8 +8,8 @@ ratio is what two servers at 100% of their rooflines would give at the running b
 saturation points (cv = 1, alpha = 1, early abort) at the highest rate measured, each its latest line
 (`plots.read_lines`), on the whole GPU's pool (`plots.fixed_pool`). The PEFT ratio asks for both points
 "measured in the same run": both lines must carry the same `run` (bench/driver.py), or its status says they
-do not. Two loraplex points run at different running batches (`roofline_batch`, set by a sweep's
-worker.max_running_requests) are not compared: the status says so.
+do not. Two loraplex points run at different running batches (`batch`, which read_lines takes from the line's
+`roofline_batch`, set by a sweep's worker.max_running_requests) are not compared: the status says so.
 """
 from __future__ import annotations
 
@@ -95,19 +95,13 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
             status = "missed, beyond the roofline"
     if same_run and not one_run(a, b):
         status += ", but not from one run"
-    if b["system"] not in ("peft", "merge") and _batch(a) != _batch(b):
+    if b["system"] not in ("peft", "merge") and a["batch"] != b["batch"]:
         # A larger running batch shares a step's fixed part (weights, adapters' rows) among more tokens:
         # two points at different caps measure the caps as much as the adapters.
-        status = f"not comparable: running batches {_batch(a)} and {_batch(b)} (measure both at one)"
+        status = f"not comparable: running batches {a['batch']} and {b['batch']} (measure both at one)"
     if measured < factor and a.get("worker_steps") and b.get("worker_steps"):
         status += f"; {where_the_time_goes(a['worker_steps'], b['worker_steps'])}"
     return Verdict(target, text, bound, status)
-
-
-def _batch(line: dict) -> int:
-    """The running batch a line's stack was capped at (the roofline assumes it; lines before the cap was a
-    sweep's setting ran the server's 256)."""
-    return int(line.get("roofline_batch") or 256)
 
 
 def where_the_time_goes(a: dict, b: dict) -> str:
