@@ -18,6 +18,7 @@ figures' own lines, so a caller (or a test) sees exactly the plotted series.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,10 +31,16 @@ ROOFLINE = " roofline"  # label suffix of a roofline series, drawn dashed
 OFFERED = "offered"  # the rate the load client sent, drawn dashed in grey: served = offered below capacity
 GROUP_KEYS = ("setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy")
 LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": "", "setting": "",
-               "batch": "batch"}
+               "batch": "batch", "variant": ""}
 # A line's curve also depends on the running batch its stack was capped at (a sweep's
-# worker.max_running_requests; the roofline assumes it): read_lines adds it as `batch`.
-SERIES_KEYS = GROUP_KEYS + ("batch",)
+# worker.max_running_requests; the roofline assumes it) and on any server setting tried on the same points
+# (VARIANT_SETTINGS): read_lines adds them as `batch` and `variant`.
+SERIES_KEYS = GROUP_KEYS + ("batch", "variant")
+# Settings a sweep sets to try a change of the server's behaviour on points other sweeps measure as shipped
+# (bench/sweeps/s2-batch384-wait.yaml). A line run with one is a variant of its point: it neither replaces
+# the point's line nor counts for the targets, and the figures draw it as a line of its own.
+VARIANT_SETTINGS = ("worker.admission_wait_s",)
+DEFAULT_VARIANT = "as shipped"  # the label of the lines run without any of them, where a figure holds both
 
 
 def fixed_pool(line: dict) -> bool:
@@ -57,8 +64,16 @@ def read_lines(path: str | Path) -> list[dict]:
         if missing:
             raise ValueError(f"{path}:{number}: result line lacks {', '.join(missing)}")
         line["batch"] = int(line.get("roofline_batch") or MAX_RUNNING)  # lines before it was a setting ran the default
+        line["variant"] = variant_of(line)
         by_point[tuple(line[k] for k in SERIES_KEYS) + (line.get("duration_s"),)] = line
     return list(by_point.values())
+
+
+def variant_of(line: dict) -> str:
+    """The VARIANT_SETTINGS the line's stack was started with, as `name=value` ("" for none), read from its
+    stack command, which every line records."""
+    found = re.findall(r"--set (\S+?)=(\S+)", line.get("stack_command") or "")
+    return " ".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, value in found if key in VARIANT_SETTINGS)
 
 
 def latest_per_point(lines: list[dict]) -> list[dict]:
@@ -97,6 +112,9 @@ def _label(keys: tuple[str, ...], values: tuple, varying: list[int]) -> str:
     parts = []
     for i in varying:
         short = LABEL_SHORT.get(keys[i], keys[i])
+        if keys[i] == "variant":
+            parts.append(values[i] or DEFAULT_VARIANT)
+            continue
         parts.append(f"{short}={values[i]:g}" if short and isinstance(values[i], (int, float)) else
                      f"{short}={values[i]}" if short else str(values[i]))
     return " ".join(parts)

@@ -8,7 +8,8 @@ ratio is what two servers at 100% of their rooflines would give at the running b
 saturation points (cv = 1, alpha = 1, early abort) at the highest rate measured, each its latest line
 (`plots.read_lines`), on the whole GPU's pool (`plots.fixed_pool`). The PEFT ratio asks for both points
 "measured in the same run": both lines must carry the same `run` (bench/driver.py), or its status says they
-do not. Two loraplex points run at different running batches (`batch`, which read_lines takes from the line's
+do not. Lines that tried a server setting on the points (`variant`, plots.VARIANT_SETTINGS) are not the server as
+it ships and are left out. Two loraplex points run at different running batches (`batch`, which read_lines takes from the line's
 `roofline_batch`, set by a sweep's worker.max_running_requests) are not compared: the status says so.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ def saturation_points(paths: list[str | Path]) -> dict[tuple[str, str, int], dic
         for line in read_lines(path):
             if line["cv"] != 1 or line["alpha"] != 1 or line["policy"] != "early-abort":
                 continue
-            if line.get("throughput_rps") is None or fixed_pool(line):
+            if line.get("throughput_rps") is None or fixed_pool(line) or line["variant"]:
                 continue
             key = (line["setting"], line["system"], int(line["n_adapters"]))
             if key not in best or _rate_then_time(line) > _rate_then_time(best[key]):

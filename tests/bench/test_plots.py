@@ -233,3 +233,22 @@ def test_across_files_a_point_is_drawn_once_and_running_batches_get_lines_of_the
     assert throughput["S-GQA R=60 batch=256"] == [(5.0, 30.0), (100.0, 30.0)]
     systems = drawn[str(tmp_path / "png" / "systems-throughput-vs-adapters-S2.png")]["throughput_rps"]
     assert systems["loraplex batch=256"] == [(5.0, 30.0), (100.0, 28.0), (2000.0, 24.0)]
+
+
+def test_a_server_setting_tried_on_the_points_draws_a_line_of_its_own(tmp_path):
+    from bench.plots import plot_all
+
+    shipped = "python3 -m shared.cli up --set worker.max_batched_tokens=8192 --set worker.max_running_requests=384"
+    held = shipped + " --set worker.admission_wait_s=0.5"
+    plain = [line(n=n, rate=40.0, throughput_rps=t, roofline_batch=384, stack_command=shipped,
+                  started_at="2026-12-03T06") for n, t in [(5, 30.1), (2000, 27.3)]]
+    tried = [line(n=n, rate=40.0, throughput_rps=t, roofline_batch=384, stack_command=held,
+                  started_at="2026-12-03T08") for n, t in [(5, 26.8), (2000, 23.3)]]
+    # One file holding both: the later lines are a variant of the points, not a rerun replacing them.
+    both = write(tmp_path / "both.jsonl", plain + tried)
+    assert sorted((x["variant"], x["throughput_rps"]) for x in read_lines(both)) == [
+        ("", 27.3), ("", 30.1), ("admission_wait_s=0.5", 23.3), ("admission_wait_s=0.5", 26.8)]
+    drawn = plot_all([write(tmp_path / "plain.jsonl", plain), write(tmp_path / "tried.jsonl", tried)], tmp_path / "png")
+    throughput = drawn[str(tmp_path / "png" / "settings-throughput-vs-adapters.png")]["throughput_rps"]
+    assert throughput["as shipped"] == [(5.0, 30.1), (2000.0, 27.3)]
+    assert throughput["admission_wait_s=0.5"] == [(5.0, 26.8), (2000.0, 23.3)]

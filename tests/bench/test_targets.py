@@ -119,3 +119,14 @@ def test_a_ratio_of_two_running_batches_is_not_compared(tmp_path):
     assert "0.91×" in far.measured
     assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "met"  # both at 384
     assert v["S2 n = 100 ≥ 30 × peft n = 100"].status.startswith("met")  # a baseline's batch is its own
+
+
+def test_a_line_that_tried_a_server_setting_does_not_count_for_the_targets(tmp_path):
+    shipped = "python3 -m shared.cli up --set worker.max_running_requests=384"
+    held = shipped + " --set worker.admission_wait_s=0.5"
+    path = write(tmp_path / "s2.jsonl", [
+        line("loraplex", 2000, 27.3, 42.3, stack_command=shipped),
+        line("loraplex", 2000, 23.3, 42.3, stack_command=held, started="2026-12-03T08:30:00+00:00"),
+    ])
+    assert saturation_points([path])[("S2", "loraplex", 2000)]["throughput_rps"] == 27.3
+    assert {x.target: x for x in verdicts([path])}["S2 n = 2000 ≥ 30 req/s"].measured.startswith("27.3 req/s")
