@@ -43,8 +43,8 @@ class EngineConfig:
     admission_wait_s: float = _doc("with a busy batch, a round starts once a whole round's places are free, or once "
                                    "the longest-waiting request has waited this long; 0 = as soon as every waiting "
                                    "request has a place (the scheduler refills the queue one request per finished "
-                                   "one, so at saturation rounds then shrink to a few prompts each: an eager step "
-                                   "apiece, docs/benchmarks.md)", 0.0)
+                                   "one, so at saturation rounds then shrink to a few prompts each; holding them for 0.5 s "
+                                   "cost S2 11-15% of its throughput on an H200, docs/benchmarks.md)", 0.0)
     max_model_len: int = _doc("prompt + output tokens at most; 0 = model's max_position_embeddings", 0)
     seed: int = _doc("seed for dummy weights", 0)
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
