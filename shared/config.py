@@ -144,6 +144,16 @@ def _arg_type(f: dataclasses.Field, default):
     return {"int": int, "float": float}.get(name.split("|")[0].strip(), str)
 
 
+def bool_word(text: str) -> bool:
+    """A boolean flag's value on a command line."""
+    word = text.strip().lower()
+    if word in ("true", "yes", "on", "1"):
+        return True
+    if word in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def add_config_arguments(parser, cls, skip: tuple[str, ...] = ()) -> None:
     """One `--flag-name` per field of a config dataclass (booleans get --flag / --no-flag)."""
     for f in fields(cls):
@@ -151,9 +161,13 @@ def add_config_arguments(parser, cls, skip: tuple[str, ...] = ()) -> None:
             continue
         default = f.default if f.default is not MISSING else None
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('doc', '')} (default: {default!r})"
+        # argparse expands %-formats in help; docs quote percentages.
+        help_text = f"{f.metadata.get('doc', '')} (default: {default!r})".replace("%", "%%")
         if isinstance(default, bool):
-            parser.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
+            # `--flag`, `--no-flag`, or `--flag true|false`: the launcher's `--set SERVICE.FLAG=VALUE` passes a value.
+            parser.add_argument(flag, dest=f.name, default=default, nargs="?", const=True, type=bool_word,
+                                metavar="true|false", help=help_text)
+            parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=f"same as {flag} false")
         else:
             parser.add_argument(flag, dest=f.name, type=_arg_type(f, default), default=default, help=help_text)
 

@@ -193,6 +193,29 @@ def test_every_service_accepts_the_flags_the_launcher_gives_it(tmp_path):
         parsers[name](argv[2:])  # raises SystemExit on an unknown flag
 
 
+def test_set_gives_a_boolean_setting_its_value(tmp_path, capsys):
+    """`--set worker.overlap_steps=true` reaches the worker's engine config; on/off words both ways."""
+    from services.launcher_commands import Topology, service_commands
+    from services.gpu_worker.worker_config import parse_args as worker_args
+
+    t = Topology("redis://127.0.0.1:1/0", "tcp://127.0.0.1:1", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2",
+                 "tcp://127.0.0.1:2", "tcp://127.0.0.1:3", "tcp://127.0.0.1:3", str(tmp_path), str(tmp_path),
+                 str(tmp_path))
+    for words, overlap, graphs in ((["worker.overlap_steps=true", "worker.cuda_graphs=off"], True, False),
+                                   (["worker.overlap_steps=False", "worker.cuda_graphs=1"], False, True)):
+        config = LauncherConfig(model=str(tmp_path), data_dir=str(tmp_path), set=words)
+        argv = service_commands(config, t, "cpu", "float32", 4096)["worker-0"]
+        _, engine = worker_args(argv[2:])
+        assert (engine.overlap_steps, engine.cuda_graphs) == (overlap, graphs)
+    # The flag alone and its --no- form still work; a word that is not a boolean names the flag.
+    model = ["--model", str(tmp_path)]
+    assert worker_args(model + ["--overlap-steps"])[1].overlap_steps is True
+    assert worker_args(model + ["--no-cuda-graphs"])[1].cuda_graphs is False
+    with pytest.raises(SystemExit):
+        worker_args(model + ["--overlap-steps", "maybe"])
+    assert "--overlap-steps" in capsys.readouterr().err
+
+
 def test_a_model_folder_without_its_files_is_refused_by_name(tmp_path, capsys):
     from services.launcher import main
 
@@ -201,3 +224,19 @@ def test_a_model_folder_without_its_files_is_refused_by_name(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "model"), "--data-dir", str(tmp_path / "data"), "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert "missing tokenizer.json" in err and "--model" in err
+
+
+@pytest.mark.parametrize("service", ["launcher", "adapter_store", "scheduler", "gpu_worker", "gateway"])
+def test_every_command_line_prints_its_help(service, capsys):
+    """--help lists every setting; docs that quote a percentage must not break argparse's %-formatting."""
+    from services.adapter_store.config import StoreConfig
+    from services.gateway.config import GatewayConfig
+    from services.gpu_worker.worker_config import parse_args as worker_args
+    from services.scheduler.config import SchedulerConfig
+
+    parse = {"launcher": parse_args, "adapter_store": StoreConfig.from_args, "scheduler": SchedulerConfig.from_args,
+             "gpu_worker": worker_args, "gateway": GatewayConfig.from_args}[service]
+    with pytest.raises(SystemExit) as exited:
+        parse(["--help"])
+    assert exited.value.code == 0
+    assert "usage:" in capsys.readouterr().out

@@ -252,3 +252,13 @@ def test_a_server_setting_tried_on_the_points_draws_a_line_of_its_own(tmp_path):
     throughput = drawn[str(tmp_path / "png" / "settings-throughput-vs-adapters.png")]["throughput_rps"]
     assert throughput["as shipped"] == [(5.0, 30.1), (2000.0, 27.3)]
     assert throughput["admission_wait_s=0.5"] == [(5.0, 26.8), (2000.0, 23.3)]
+
+
+def test_a_variant_names_every_setting_it_tried_and_ignores_the_others():
+    from bench.plots import variant_of
+
+    command = ("python3 -m shared.cli up --set worker.max_batched_tokens=8192 --set worker.overlap_steps=true "
+               "--set worker.max_running_requests=384 --set worker.admission_wait_s=0.5")
+    assert variant_of({"stack_command": command}) == "overlap_steps=true admission_wait_s=0.5"
+    assert variant_of({"stack_command": "python3 -m shared.cli up --set worker.max_running_requests=384"}) == ""
+    assert variant_of({}) == ""  # a line from a server without a stack command (the PEFT baseline's own)
