@@ -39,7 +39,7 @@ SERIES_KEYS = GROUP_KEYS + ("batch", "variant")
 # Settings a sweep sets to try a change of the server's behaviour on points other sweeps measure as shipped
 # (bench/sweeps/s2-batch384-wait.yaml, s2-batch384-overlap.yaml). A line run with one is a variant of its point:
 # it neither replaces the point's line nor counts for the targets, and the figures draw it as a line of its own.
-VARIANT_SETTINGS = ("worker.admission_wait_s", "worker.overlap_steps")
+VARIANT_SETTINGS = ("worker.admission_wait_s", "worker.overlap_steps", "worker.overlap_admission")
 DEFAULT_VARIANT = "as shipped"  # the label of the lines run without any of them, where a figure holds both
 
 

@@ -49,8 +49,12 @@ class EngineConfig:
     seed: int = _doc("seed for dummy weights", 0)
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
     overlap_steps: bool = _doc("launch the next decode step before the last step's tokens reach the host (greedy "
-                               "batches with nothing to admit), so host work hides behind the GPU; off: measured 19% "
-                               "slower at saturation on an H200 (docs/benchmarks.md)", False)
+                               "batches), so host work hides behind the GPU; off by default: the engine alone ran 19% "
+                               "slower with it on an H200 on 2026-11-29, its eager steps twice as long, before "
+                               "admission rounds went ahead too (docs/benchmarks.md)", False)
+    overlap_admission: bool = _doc("with overlap_steps, an admission round's step is launched ahead as well (the "
+                                   "round's prompts beside the running requests' next decode tokens), so the host "
+                                   "schedules and launches its eager step while the GPU finishes the step before", True)
     cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)
     cuda_graph_warmup_s: float = _doc("seconds a CUDA worker spends capturing decode graphs (every batch, rank and "
                                       "context bucket up to cuda_graph_max_context) before it reports ready; the "

@@ -82,6 +82,7 @@ class Engine:
         self.num_preemptions = 0
         self.step_stats = StepStats()  # steps, seconds and tokens by kind of step (step_stats.py)
         self.lookahead_steps = 0  # steps launched before the tokens of the step before reached the host
+        self.admissions_ahead = 0  # of those, steps that also admitted waiting requests (overlap_admission)
         self._admitting = False  # an admission round is under way (see _admission_due)
 
     @classmethod
@@ -188,9 +189,9 @@ class Engine:
             flight.replayed = True
         else:
             batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)
-            if device_tokens is not None:  # a pure decode step: row i is request i's one token
+            if device_tokens is not None:  # the first len(rows) requests decode: input i is request i's one token
                 ids, rows = device_tokens
-                batch.input_ids.copy_(ids.index_select(0, rows))
+                batch.input_ids[:rows.shape[0]].copy_(ids.index_select(0, rows))
             logits = self.model.forward(batch, self.pool)
         for seq, n in scheduled:
             seq.num_computed += n
@@ -214,16 +215,28 @@ class Engine:
             return None
         seqs = [flight.samplers[i] for i in rows]
         finishing = len(flight.samplers) - len(flight.dropped) - len(seqs)
-        if self._admitting or self._admission_due(finishing) or not self.pool.allocator.can_allocate(len(seqs)):
+        admit = self._admitting or self._admission_due(finishing)
+        # An admission round goes ahead only where its places are free already: requests ending at `flight`
+        # hold theirs until its tokens are seen, so a round that needs them is scheduled after, as before.
+        if admit and not (self.config.overlap_admission and (self._admitting or self._admission_due())):
+            return None
+        if not self.pool.allocator.can_allocate(len(seqs)):
             return None
         for seq in seqs:
             seq.tokens.append(PENDING_TOKEN)
             self._give_slots(seq, 1)
+        scheduled = [(seq, 1) for seq in seqs]
+        if admit:
+            # The round's prompts follow the decode rows, whose input tokens are still on the device: the
+            # host schedules and launches this eager step while the GPU runs `flight`, instead of after it.
+            self._admit(scheduled, self.config.max_batched_tokens - len(seqs))
+            if len(scheduled) > len(seqs):
+                self.admissions_ahead += 1
         index = torch.tensor(rows, dtype=torch.int32)
         if self.device.type == "cuda":
             index = index.pin_memory().to(self.device, non_blocking=True)
         self.lookahead_steps += 1
-        return self._launch([(seq, 1) for seq in seqs], StepInFlight([]), (flight.greedy.device_ids, index))
+        return self._launch(scheduled, StepInFlight([]), (flight.greedy.device_ids, index))
 
     def finish_step(self, flight: StepInFlight) -> list[RequestOutput]:
         """Launch the next step if it can go ahead of this one's tokens (lookahead.py), then wait for this
@@ -299,6 +312,10 @@ class Engine:
             i += 1
         if self.merge is not None:
             self.merge.before_admission()
+        return self._admit(scheduled, budget)
+
+    def _admit(self, scheduled: list[tuple[Sequence, int]], budget: int) -> list[tuple[Sequence, int]]:
+        """Append to `scheduled` the waiting requests an admission round takes now, within `budget` tokens."""
         self._admitting = self._admitting or self._admission_due()
         i = 0  # position in the waiting queue
         passed = 0  # waiting requests passed over because their adapter is still on its way from the store

@@ -8,7 +8,9 @@ seeing N's tokens changes N+1:
   logits buffer of a replayed graph is overwritten by N+1);
 - N ran every running request to its end (no prefill chunk left over, nobody left out by the token
   budget), so N+1 is a pure decode step over N's requests;
-- no admission round is due (new requests bring prefill: that step is scheduled on the host as usual);
+- an admission round that is due takes only places free already (EngineConfig.overlap_admission): its
+  prompts join the step beside the decode rows, their tokens known to the host; a round that needs the
+  places of requests ending at N is scheduled on the host once N's tokens are in, as without it;
 - a request that ends by length at N, or whose abort arrived during N, is left out. One that ends by a
   stop token at N is not known yet: it runs one wasted step in N+1, whose token is dropped.
 """

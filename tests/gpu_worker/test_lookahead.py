@@ -71,13 +71,17 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_same_tokens_with_and_without_lookahead(model_dir, device):
-    # On CUDA the steps ahead replay decode graphs, their input tokens copied on the device.
+@pytest.mark.parametrize("admission", [True, False])
+def test_same_tokens_with_and_without_lookahead(model_dir, device, admission):
+    # On CUDA the steps ahead replay decode graphs, their input tokens copied on the device; admission
+    # rounds launched ahead run eagerly, their decode rows' tokens copied the same way.
     reqs = workload()
     plain = run(make_engine(model_dir, overlap=False, device=device), reqs)
-    engine = make_engine(model_dir, overlap=True, admission_batch=1, device=device, cuda_graph_max_batch=16)
+    engine = make_engine(model_dir, overlap=True, admission_batch=1, device=device, cuda_graph_max_batch=16,
+                         overlap_admission=admission)
     ahead = run(engine, workload())
     assert engine.lookahead_steps > 10, engine.lookahead_steps
+    assert (engine.admissions_ahead > 0) == admission, engine.admissions_ahead
     assert ahead == plain
     assert engine.pool.allocator.num_used == engine.adapters.slots_in_use + engine.reserved_slots
     assert not engine.running and not engine._by_id and engine.page_table
@@ -110,4 +114,35 @@ def test_abort_while_a_step_is_launched_ahead(model_dir):
     assert out["x2"]["reason"] == "length" and len(out["x2"]["tokens"]) == 30
     assert engine.lookahead_steps > 0
     assert not engine.has_unfinished()
+    assert engine.pool.allocator.num_used == engine.adapters.slots_in_use + engine.reserved_slots
+
+
+def test_admission_rounds_launched_ahead_with_a_full_batch(model_dir):
+    """A batch of three, requests ending by length and by stop tokens while the next round is already on its
+    way: the same tokens as an engine that waits for every step, every page-table row and slot given back."""
+    probe = run(make_engine(model_dir, overlap=False), [EngineRequest("p", [9, 8, 7], SamplingParams(max_tokens=12, ignore_eos=True))])
+    tokens = probe["p"]["tokens"]
+    stop = next(t for k, t in enumerate(tokens) if k >= 3 and t not in tokens[:k])
+
+    def reqs():
+        out = []
+        for i in range(10):
+            if i % 4 == 0:  # the probe's request: it stops at `stop`, found on the host a step late
+                out.append(EngineRequest(f"q{i}", [9, 8, 7], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                          stop_token_ids=(stop,))))
+                continue
+            out.append(EngineRequest(f"q{i}", [5 + i, 6, 7 + i][: 1 + i % 3],
+                                     SamplingParams(max_tokens=3 + (5 * i) % 9, ignore_eos=True),
+                                     adapter=(None, "a0", "a1")[i % 3]))
+        return out
+
+    config = dict(max_running_requests=3, admission_batch=1)
+    plain = run(make_engine(model_dir, overlap=False, **config), reqs())
+    engine = make_engine(model_dir, overlap=True, **config)
+    ahead = run(engine, reqs())
+    assert ahead == plain
+    assert engine.admissions_ahead > 0 and engine.lookahead_steps > engine.admissions_ahead
+    assert any(r["reason"] == "stop" for r in ahead.values())
+    assert not engine.has_unfinished()
+    assert engine.page_table.free_rows == 3 + 1 - engine.reserved_slots
     assert engine.pool.allocator.num_used == engine.adapters.slots_in_use + engine.reserved_slots
