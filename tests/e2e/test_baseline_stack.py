@@ -1,10 +1,13 @@
-"""A baseline engine behind the real stack: `loraplex up --set worker.lora_mode=bmm` reaches the worker's
-command line, and concurrent requests over adapters and the base model come back exactly as the unified
-engine computes them."""
+"""Engine settings behind the real stack: `loraplex up --set worker.lora_mode=bmm` (a baseline engine) and
+`--set worker.overlap_steps=true` (steps launched ahead, a boolean given a value) reach the worker's command
+line, and concurrent requests over adapters and the base model come back exactly as the unified engine
+computes them one step at a time."""
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+
+import pytest
 
 from .conftest import Stack
 from .test_serving import BASE, complete, reference_texts, run_all
@@ -15,18 +18,21 @@ def worker_command_line(stack: Stack) -> list[str]:
     return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
 
 
-def test_bmm_stack_serves_what_the_unified_engine_computes(tmp_path):
-    stack = Stack(tmp_path / "data", "--demo-adapters", "2", "--set", "worker.lora_mode=bmm",
+@pytest.mark.parametrize("setting, flag, value", [("lora_mode", "--lora-mode", "bmm"),
+                                                  ("overlap_steps", "--overlap-steps", "true")])
+def test_a_stack_with_an_engine_setting_serves_what_the_unified_engine_computes(tmp_path, setting, flag, value):
+    stack = Stack(tmp_path / "data", "--demo-adapters", "2", "--set", f"worker.{setting}={value}",
                   "--set", "worker.max_running_requests=8")
     try:
         stack.start()
         argv = worker_command_line(stack)
-        assert argv[argv.index("--lora-mode") + 1] == "bmm"
+        assert argv[argv.index(flag) + 1] == value
         data_dir = stack.data_dir
         adapters = {p.name: p for p in sorted((data_dir / "demo-adapters").glob("demo-*"))[:2]}
         models = sorted(adapters) + [BASE]
-        requests = [{"id": f"r{i}", "model": models[i % 3], "max_tokens": 5 + i % 4,
-                     "prompt": [1] + [(11 * i + 7 * j) % 400 + 5 for j in range(2 + 5 * i)]} for i in range(6)]
+        # Nine requests of different lengths: several finish on one step while others are admitted.
+        requests = [{"id": f"r{i}", "model": models[i % 3], "max_tokens": 4 + i % 5,
+                     "prompt": [1] + [(11 * i + 7 * j) % 400 + 5 for j in range(2 + 4 * i)]} for i in range(9)]
         expected = reference_texts(data_dir / "model", adapters, requests)  # the unified engine, in process
         served = asyncio.run(run_all(stack.url, requests, complete))
         for r in requests:
