@@ -119,7 +119,10 @@ def where_the_time_goes(a: dict, b: dict) -> str:
         x, y = a.get(kind) or {}, b.get(kind) or {}
         if not (x.get("steps") or y.get("steps")):
             continue
-        parts.append(f"{name} steps {ms(x)} vs {ms(y)} ms ({share(x)} vs {share(y)} of step time)")
+        part = f"{name} steps {ms(x)} vs {ms(y)} ms ({share(x)} vs {share(y)} of step time"
+        if x.get("launch_ms") is not None and y.get("launch_ms") is not None:
+            part += f"; launched by the host in {x['launch_ms']:.1f} vs {y['launch_ms']:.1f} ms"
+        parts.append(part + ")")
     return ", ".join(parts)
 
 

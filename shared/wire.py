@@ -181,10 +181,12 @@ class WorkerStatus(Message):
     preemptions: int = 0  # running requests preempted (KV freed, recomputed later) since the worker started
     evictable_slots: int = 0  # adapter slots of unused resident adapters, KV's on demand (unified pool)
     # Since the worker started, by kind of step (graph, decode, prefill; services/gpu_worker/step_stats.py):
-    # steps run, seconds from their scheduling until their tokens reached the host, and tokens computed.
+    # steps run, seconds from their scheduling until their tokens reached the host, and tokens computed;
+    # of those seconds, the ones until the step's last kernel was launched (the host's part).
     step_counts: dict[str, int] = field(default_factory=dict)
     step_seconds: dict[str, float] = field(default_factory=dict)
     step_tokens: dict[str, int] = field(default_factory=dict)
+    step_launch_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @record

@@ -201,6 +201,7 @@ class Engine:
         flight.scheduled = {seq for seq, _ in scheduled}
         if samplers:
             flight.greedy = GreedyTokens(logits)
+        flight.launch_done_at = time.perf_counter()
         self._in_flight = flight
         return flight
 
@@ -272,7 +273,7 @@ class Engine:
                     out.finished, out.finish_reason = True, reason
                 outputs.append(out)
         if flight.kind:  # its tokens are on the host (or it sampled nothing): the step is done
-            self.step_stats.record(flight.kind, flight.launched_at, flight.num_tokens)
+            self.step_stats.record(flight.kind, flight.launched_at, flight.num_tokens, launched=flight.launch_done_at)
         for seq in flight.dropped:
             self._release_slots(seq)
         self._ahead = ahead

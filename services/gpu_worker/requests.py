@@ -77,6 +77,7 @@ class StepInFlight:
     kind: str = ""  # step_stats.STEP_KINDS, once launched ("" = nothing was scheduled)
     launched_at: float = 0.0  # time.perf_counter() when its scheduling (or its launch, if launched ahead) began
     num_tokens: int = 0  # tokens the step computes (prompt and decode)
+    launch_done_at: float = 0.0  # time.perf_counter() once its last kernel was launched
     # Requests that ended (stop token) in the step before this one, which was launched before that was
     # known: their token here is dropped, and their slots are freed once this step is done with them.
     dropped: set = field(default_factory=set)

@@ -8,7 +8,9 @@ so the share of a window each kind took is the difference of two readings; `lora
 every point. A step whose requests all stop mid-prompt samples nothing, so its time runs until its launch
 returns and the wait for its kernels falls to the next step; with overlap_steps a step launched ahead of
 the last one's tokens counts from its launch, so the seconds of overlapping steps add up to more than the
-wall time.
+wall time. `launch` is the part of a step's seconds until its last kernel was launched: the host's
+scheduling, batch building and kernel launches; a step whose launch takes nearly all of its time kept the
+GPU waiting on the host.
 """
 from __future__ import annotations
 
@@ -27,14 +29,18 @@ class StepStats:
     steps: dict[str, int] = _zeros(int)
     seconds: dict[str, float] = _zeros(float)
     tokens: dict[str, int] = _zeros(int)
+    launch: dict[str, float] = _zeros(float)
 
-    def record(self, kind: str, started: float, tokens: int, now: float | None = None) -> None:
-        """One finished step of `kind`, launched at `started` (time.perf_counter)."""
+    def record(self, kind: str, started: float, tokens: int, now: float | None = None,
+               launched: float | None = None) -> None:
+        """One finished step of `kind`, begun at `started` and launched by `launched` (time.perf_counter)."""
         if kind not in self.steps:
             raise ValueError(f"unknown step kind {kind!r}; kinds are {', '.join(STEP_KINDS)}")
         self.steps[kind] += 1
         self.seconds[kind] += (time.perf_counter() if now is None else now) - started
         self.tokens[kind] += tokens
+        if launched is not None:
+            self.launch[kind] += launched - started
 
 
 def step_kind(replayed: bool, decode_only: bool) -> str:

@@ -178,6 +178,11 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
     assert sum(s["tokens"] for s in steps.values()) == computed
     assert steps["decode"]["mean_ms"] == pytest.approx(1e3 * steps["decode"]["seconds"] / steps["decode"]["steps"], rel=1e-3)
     assert sum(s["share"] for s in steps.values()) == pytest.approx(1.0, abs=1e-3)
+    # The host's part of each step: from the server's launch counter, within the step's whole time.
+    launch = (metric(after, "loraplex_worker_step_launch_seconds_total", worker="worker-0", kind="prefill")
+              - metric(before, "loraplex_worker_step_launch_seconds_total", worker="worker-0", kind="prefill"))
+    assert steps["prefill"]["launch_ms"] == pytest.approx(1e3 * launch / steps["prefill"]["steps"], rel=1e-3)
+    assert 0 < steps["prefill"]["launch_ms"] <= steps["prefill"]["mean_ms"]
     if shutil.which("nvidia-smi") is None:
         assert report["gpu_memory_used_peak_mib"] is None and report["gpu_memory_total_mib"] is None
 

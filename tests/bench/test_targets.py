@@ -81,6 +81,17 @@ def test_a_missed_ratio_says_where_the_time_goes_when_both_points_recorded_it(tm
         "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time), "
         "prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time)")
     assert v["S2 n = 2000 ≥ 0.9 × n = 5"].status == "missed, beyond the roofline"
+    # Lines that recorded the host's part of each step say it too.
+    timed = steps(21.8, 212.7, 0.31)
+    timed["prefill"]["launch_ms"], timed["graph"]["launch_ms"] = 120.5, 1.2
+    base = steps(17.8, 187.9, 0.30)
+    base["prefill"]["launch_ms"], base["graph"]["launch_ms"] = 60.25, 1.0
+    sat = write(tmp_path / "timed.jsonl", [line("loraplex", 100, 28.2, 42.9, worker_steps=timed),
+                                           line("base-only", 100, 32.9, 45.4, worker_steps=base)])
+    assert {x.target: x for x in verdicts([sat])}["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == (
+        "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time; launched by the host in 1.2 vs "
+        "1.0 ms), prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time; launched by the host in 120.5 vs "
+        "60.2 ms)")
 
 
 def test_a_same_run_target_is_met_only_by_two_lines_of_one_run(tmp_path):

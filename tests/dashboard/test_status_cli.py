@@ -58,6 +58,7 @@ def test_json_is_the_status_document(stack):
     for kind, figures in worker.items():
         assert figures["steps"] == metric_sum(m, "loraplex_worker_steps_total", worker="worker-0", kind=kind)
         assert figures["tokens"] == metric_sum(m, "loraplex_worker_step_tokens_total", worker="worker-0", kind=kind)
+        assert 0 <= figures["launch_seconds"] <= figures["seconds"]
 
 
 def test_auth_errors_name_the_problem_and_the_admin_key_works(secured_stack):

@@ -14,12 +14,13 @@ from shared.tiny_model import make_model
 def test_record_adds_up_by_kind_and_refuses_unknown_kinds():
     stats = StepStats()
     assert stats.steps == {"graph": 0, "decode": 0, "prefill": 0}
-    stats.record("prefill", started=10.0, tokens=12, now=10.25)
-    stats.record("decode", started=11.0, tokens=2, now=11.5)
-    stats.record("decode", started=12.0, tokens=2, now=12.25)
+    stats.record("prefill", started=10.0, tokens=12, now=10.25, launched=10.125)
+    stats.record("decode", started=11.0, tokens=2, now=11.5, launched=11.25)
+    stats.record("decode", started=12.0, tokens=2, now=12.25)  # no launch time given: none counted
     assert stats.steps == {"graph": 0, "decode": 2, "prefill": 1}
     assert stats.seconds == {"graph": 0.0, "decode": 0.75, "prefill": 0.25}
     assert stats.tokens == {"graph": 0, "decode": 4, "prefill": 12}
+    assert stats.launch == {"graph": 0.0, "decode": 0.25, "prefill": 0.125}
     with pytest.raises(ValueError, match="unknown step kind 'eager'"):
         stats.record("eager", started=0.0, tokens=1)
     # Separate instances share nothing.
@@ -47,3 +48,5 @@ def test_engine_counts_a_prefill_step_then_decode_steps(tmp_path):
     assert stats.steps == {"graph": 0, "decode": 3, "prefill": 1} and steps == 4
     assert stats.tokens == {"graph": 0, "decode": 6, "prefill": 12}
     assert stats.seconds["graph"] == 0.0 and stats.seconds["prefill"] > 0 and stats.seconds["decode"] > 0
+    # The launch is part of each step's time (on the CPU kernels run as they are launched: most of it).
+    assert all(0 < stats.launch[k] <= stats.seconds[k] for k in ("decode", "prefill"))
