@@ -1,6 +1,8 @@
 """Where the worker's time went, point by point: the `worker_steps` of result lines (steps by kind: decode
 replayed from CUDA graphs, decode run eagerly, steps carrying prefill) as two panels, each point a row:
-the share of step time each kind took, and the mean step of each kind in ms. Two points of one setting
+the share of step time each kind took, and the mean step of each kind in ms, hatched over the part the host
+took to schedule and launch it where the line records that (`launch_ms`): a step launched in nearly all of
+its time kept the GPU waiting on the host. Two points of one setting
 side by side (loraplex at n = 100 and base-only, say) show whether LoRA's cost is in decode or in prefill.
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ def point_label(line: dict, show_policy: bool = False) -> str:
     for key, short in (("req_rate", "R"), ("cv", "cv")):
         label += f" {short}={line[key]:g}"
     policy = line.get("policy")
-    return label + (f" {policy}" if policy and (show_policy or policy != "early-abort") else "")
+    label += f" {policy}" if policy and (show_policy or policy != "early-abort") else ""
+    return label + (f" {line['variant']}" if line.get("variant") else "")
 
 
 def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
@@ -36,7 +39,7 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     labels = [point_label(line, show_policy=mixed) for line in rows]
     fig_height = 2.0 + 0.45 * len(rows)  # inches: title, axis labels and legend, then a band per point
     fig, (share_ax, mean_ax) = plt.subplots(1, 2, figsize=(13, fig_height), squeeze=True)
-    drawn: dict[str, dict] = {"share": {}, "mean_ms": {}}
+    drawn: dict[str, dict] = {"share": {}, "mean_ms": {}, "launch_ms": {}}
     left = [0.0] * len(rows)
     bar = 0.8 / len(KINDS)  # a point's band holds one bar per kind
     for i, (kind, name) in enumerate(KINDS):
@@ -48,12 +51,25 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
         mean_ax.barh([y + (i - 1) * bar for y in range(len(rows))], means, height=bar, label=name,
                      color=f"C{i}")
         drawn["mean_ms"][kind] = list(zip(labels, means))
+        launches = [(y, line["worker_steps"][kind].get("launch_ms")) for y, line in enumerate(rows)]
+        launches = [(y, ms) for y, ms in launches if ms is not None and line_steps(rows[y], kind)]
+        if launches:
+            mean_ax.barh([y + (i - 1) * bar for y, _ in launches], [ms for _, ms in launches], height=bar,
+                         color="none", edgecolor="black", hatch="//", linewidth=0.5,
+                         label="launched by the host" if not drawn["launch_ms"] else None)
+            drawn["launch_ms"][kind] = [(labels[y], ms) for y, ms in launches]
     share_ax.set_xlim(0, 1)
     share_ax.set_xlabel("share of the worker's step time")
     mean_ax.set_yticks(range(len(rows)), labels)
     mean_ax.set_xlabel("mean step (ms)")
-    save_rows_figure(fig, (share_ax, mean_ax), share_ax, len(KINDS), title, fig_height, path)
+    legend_ax = mean_ax if drawn["launch_ms"] else share_ax
+    save_rows_figure(fig, (share_ax, mean_ax), legend_ax, len(KINDS) + bool(drawn["launch_ms"]), title, fig_height,
+                     path)
     return drawn
+
+
+def line_steps(line: dict, kind: str) -> int:
+    return line["worker_steps"][kind].get("steps") or 0
 
 
 def save_rows_figure(fig, axes, legend_ax, legend_columns: int, title: str, fig_height: float, path: Path) -> None:

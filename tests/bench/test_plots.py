@@ -140,6 +140,21 @@ def test_worker_steps_figure_shows_each_points_shares_and_mean_steps(tmp_path):
     assert not any(k.endswith("worker-steps.png") for k in plot_file(write(tmp_path / "old.jsonl", lines[2:]), tmp_path))
 
 
+def test_worker_steps_figure_hatches_the_hosts_part_of_each_step_where_lines_record_it(tmp_path):
+    timed = steps((5000, 110.0), (0, 0.0), (250, 50.0))
+    timed["prefill"]["launch_ms"], timed["graph"]["launch_ms"], timed["decode"]["launch_ms"] = 120.0, 1.5, None
+    tried = steps((4000, 100.0), (0, 0.0), (200, 40.0))
+    tried["prefill"]["launch_ms"] = 60.0
+    held = "up --set worker.max_running_requests=384 --set worker.overlap_steps=true"
+    lines = [line(rate=40.0, worker_steps=timed),
+             line(rate=40.0, worker_steps=tried, stack_command=held),  # a variant of the same point
+             line(n=5, rate=40.0, worker_steps=steps((100, 2.0), (0, 0.0), (10, 1.0)))]  # an older line: no launch
+    drawn = plot_file(write(tmp_path / "sat.jsonl", lines))[str(tmp_path / "sat-worker-steps.png")]
+    plain, variant = "S2 loraplex n=100 R=40 cv=1", "S2 loraplex n=100 R=40 cv=1 overlap_steps=true"
+    assert drawn["launch_ms"] == {"graph": [(plain, 1.5)], "prefill": [(plain, 120.0), (variant, 60.0)]}
+    assert [label for label, _ in drawn["mean_ms"]["prefill"]] == [plain, variant, "S2 loraplex n=5 R=40 cv=1"]
+
+
 def test_worker_steps_of_a_policy_sweep_name_every_points_policy(tmp_path):
     ws = steps((100, 2.0), (0, 0.0), (10, 1.0))
     lines = [line(policy=p, cv=8.0, rate=24.0, worker_steps=ws) for p in ("early-abort", "fcfs")]
