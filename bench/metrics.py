@@ -194,7 +194,6 @@ class ServerSampler:
         self.counters = {k: _CounterDelta() for k in ("adapter_loads", "adapter_load_bytes", "preemptions")}
         self.step_counters = {(field, kind): _CounterDelta() for field, _ in STEP_COUNTERS for kind in STEP_KINDS}
         self.saw_steps = False  # servers without step counters (the PEFT baseline) report no worker_steps
-        self.saw_launch = False
         self.gpu_memory_used_peak_mib: float | None = None
         self.gpu_memory_total_mib: float | None = None
         self._last_gpu = 0.0
@@ -273,7 +272,6 @@ class ServerSampler:
                 for kind in STEP_KINDS:
                     per_worker = _by_label(samples, name, "worker", kind=kind)
                     self.saw_steps |= bool(per_worker)
-                    self.saw_launch |= field == "launch" and bool(per_worker)
                     self.step_counters[field, kind].update(per_worker, baseline)
 
     def _gpu_memory(self) -> None:
@@ -332,7 +330,7 @@ class ServerSampler:
                          "mean_ms": round(1e3 * seconds[kind] / steps, 3) if steps else None,
                          # The host's part of the mean step (None from servers before the launch counter).
                          "launch_ms": (round(1e3 * self.step_counters["launch", kind].total / steps, 3)
-                                       if steps and self.saw_launch else None),
+                                       if steps and self.step_counters["launch", kind].last else None),
                          "share": round(seconds[kind] / busy, 4) if busy else None}
         return out
 

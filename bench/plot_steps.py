@@ -52,7 +52,7 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
                      color=f"C{i}")
         drawn["mean_ms"][kind] = list(zip(labels, means))
         launches = [(y, line["worker_steps"][kind].get("launch_ms")) for y, line in enumerate(rows)]
-        launches = [(y, ms) for y, ms in launches if ms is not None and line_steps(rows[y], kind)]
+        launches = [(y, ms) for y, ms in launches if ms is not None]
         if launches:
             mean_ax.barh([y + (i - 1) * bar for y, _ in launches], [ms for _, ms in launches], height=bar,
                          color="none", edgecolor="black", hatch="//", linewidth=0.5,
@@ -66,10 +66,6 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     save_rows_figure(fig, (share_ax, mean_ax), legend_ax, len(KINDS) + bool(drawn["launch_ms"]), title, fig_height,
                      path)
     return drawn
-
-
-def line_steps(line: dict, kind: str) -> int:
-    return line["worker_steps"][kind].get("steps") or 0
 
 
 def save_rows_figure(fig, axes, legend_ax, legend_columns: int, title: str, fig_height: float, path: Path) -> None:

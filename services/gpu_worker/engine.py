@@ -214,12 +214,15 @@ class Engine:
                               self.config.max_batched_tokens)
         if rows is None:
             return None
+        started = time.perf_counter()  # an admission round's scheduling counts in the step's launch, as on the host
         seqs = [flight.samplers[i] for i in rows]
         finishing = len(flight.samplers) - len(flight.dropped) - len(seqs)
-        admit = self._admitting or self._admission_due(finishing)
-        # An admission round goes ahead only where its places are free already: requests ending at `flight`
-        # hold theirs until its tokens are seen, so a round that needs them is scheduled after, as before.
-        if admit and not (self.config.overlap_admission and (self._admitting or self._admission_due())):
+        admit = self._admitting or self._admission_due()
+        if admit and not self.config.overlap_admission:
+            return None
+        if not admit and self._admission_due(finishing):
+            # The round needs the places of requests ending at `flight`, held until its tokens are seen: it is
+            # scheduled on the host after them.
             return None
         if not self.pool.allocator.can_allocate(len(seqs)):
             return None
@@ -237,7 +240,7 @@ class Engine:
         if self.device.type == "cuda":
             index = index.pin_memory().to(self.device, non_blocking=True)
         self.lookahead_steps += 1
-        return self._launch(scheduled, StepInFlight([]), (flight.greedy.device_ids, index))
+        return self._launch(scheduled, StepInFlight([], launched_at=started), (flight.greedy.device_ids, index))
 
     def finish_step(self, flight: StepInFlight) -> list[RequestOutput]:
         """Launch the next step if it can go ahead of this one's tokens (lookahead.py), then wait for this

@@ -75,7 +75,7 @@ class StepInFlight:
     scheduled: set = field(default_factory=set)  # every request whose slots the step writes
     replayed: bool = False  # a decode step replayed from a CUDA graph (else run eagerly)
     kind: str = ""  # step_stats.STEP_KINDS, once launched ("" = nothing was scheduled)
-    launched_at: float = 0.0  # time.perf_counter() when its scheduling (or its launch, if launched ahead) began
+    launched_at: float = 0.0  # time.perf_counter() when its scheduling began (in the step before, if launched ahead)
     num_tokens: int = 0  # tokens the step computes (prompt and decode)
     launch_done_at: float = 0.0  # time.perf_counter() once its last kernel was launched
     # Requests that ended (stop token) in the step before this one, which was launched before that was
