@@ -21,15 +21,21 @@ class SideStreamCopier:
     def copy(self, slots: torch.Tensor, packed: PackedAdapter) -> torch.cuda.Event:
         """Queue the copy; the returned event completes once the host rows have been read (until then the
         caller must keep them, e.g. its pin in the adapter_store's arena)."""
-        # The pool rows being overwritten belonged to freed KV or evicted adapters, which no queued kernel
-        # reads any more: every step ends with a sync on its sampled tokens.
+        # The pool rows being overwritten belonged to freed KV or evicted adapters. A step launched ahead
+        # (EngineConfig.overlap_steps) may still be running when an admission loads an adapter, so the copy
+        # waits for every kernel queued so far rather than assuming the last step was synced.
         self.stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(self.stream):
+            # Both device tensors are allocated on this stream: one allocated on the compute stream and
+            # freed on return could be handed to the next step's inputs and overwritten there before this
+            # stream, still waiting behind that step, has read it.
             staged = packed.rows.to(self.pool.device, dtype=self.pool.dtype, non_blocking=True)
             index = slots.to(self.pool.device, non_blocking=True)
             self.pool.kv[:, :, index] = staged
             event = torch.cuda.Event()
             event.record(self.stream)
+        if slots.device.type == "cuda":
+            slots.record_stream(self.stream)
         self._pending.append(event)
         return event
 

@@ -155,7 +155,8 @@ class ResidentAdapters:
                 return None
             slots = self.pool.adapter_allocator.allocate(need)
             rid = self._free_ids.pop()
-            done = self.copy_rows(torch.tensor(slots, dtype=torch.long, device=self.pool.device), packed)
+            # Host ids: each copy moves them to the device on the stream that reads them (adapter_copy.py).
+            done = self.copy_rows(torch.tensor(slots, dtype=torch.long), packed)
             if done is not None:
                 self._copying[name] = done
             t = self.tables
