@@ -17,6 +17,9 @@ decode tokens, and their LoRA segments, eagerly.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import random
 import sys
 import time
@@ -93,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--running", type=int, default=0, help="requests decoding beside the round (0: the round alone)")
     p.add_argument("--adapters", type=int, default=0,
                    help="distinct adapters (0: one per request of the round); the running requests cycle over them")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also run one more round per mode with the host's launch of its step under cProfile (which "
+                        "Python functions the launch time goes to)")
     p.add_argument("--out", default="prefill.txt")
     args = p.parse_args(argv)
     cfg = model_config(args.model)
@@ -129,12 +135,28 @@ def main(argv: list[str] | None = None) -> int:
                 sync(engine)
             times.append((time.perf_counter() - t0) * 1e3)
             finish(engine, args.running)
+        host = ""
+        if args.host_profile:
+            prefill_round(engine, f"{label}-host", used, args.requests, lengths)
+            sync(engine)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            flight = engine.launch_step()
+            profiler.disable()
+            engine.finish_step(flight)
+            sync(engine)
+            finish(engine, args.running)
+            stream = io.StringIO()
+            stats = pstats.Stats(profiler, stream=stream)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(30)
+            host = f"\n-- host launch under cProfile (by own time, then by cumulative time)\n{stream.getvalue()}"
         stop_running(engine, running)
         sort = "cuda_time_total" if cuda else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)
         launch = f", launched by the host in {min(launches):.1f} ms" if launches else ""
         report.append(f"== {label}: prefill step {min(times):.1f} ms (best of {args.repeats}; last one profiled)"
-                      f"{launch}\n{table}")
+                      f"{launch}\n{table}{host}")
     text = "\n".join(report)
     with open(args.out, "w") as f:
         f.write(text)
