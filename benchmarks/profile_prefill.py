@@ -23,6 +23,9 @@ import pstats
 import random
 import sys
 import time
+import types
+import warnings
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -80,6 +83,60 @@ def finish(engine: Engine, running: int = 0) -> None:
         engine.step()
 
 
+class OpTimer:
+    """Host time of each backend op call during one launch: a uniform cost a call says the launch path is
+    slow; one call far longer than its peers says the host waited there (a hidden sync)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.calls = engine, defaultdict(list)
+        ops = engine.model.ops
+        wrapped = {name: self._timed(name, fn) if callable(fn) and not isinstance(fn, type) else fn
+                   for name, fn in vars(ops).items() if not name.startswith("__")}
+        self.proxy = types.SimpleNamespace(**wrapped)
+
+    def _timed(self, name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls[name].append((time.perf_counter() - t0) * 1e6)
+        return call
+
+    def launch(self):
+        """One launch with the ops timed and CUDA syncs reported; (flight, launch ms, sync warnings)."""
+        model, original = self.engine.model, self.engine.model.ops
+        model.ops = self.proxy
+        cuda = self.engine.device.type == "cuda"
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
+                t0 = time.perf_counter()
+                flight = self.engine.launch_step()
+                ms = (time.perf_counter() - t0) * 1e3
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+        finally:
+            model.ops = original
+        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+        return flight, ms, syncs
+
+    def table(self, launch_ms: float, syncs: list[str]) -> str:
+        rows = [f"launch {launch_ms:.1f} ms with each op timed; {len(syncs)} synchronizing call(s)"
+                + "".join(f"\n  sync: {s}" for s in syncs[:5])]
+        rows.append(f"  {'op':<14} {'calls':>6} {'total ms':>9} {'median us':>10} {'max us':>9}")
+        total = 0.0
+        for name, us in sorted(self.calls.items(), key=lambda kv: -sum(kv[1])):
+            total += sum(us)
+            rows.append(f"  {name:<14} {len(us):>6} {sum(us) / 1e3:>9.2f} {sorted(us)[len(us) // 2]:>10.1f} "
+                        f"{max(us):>9.1f}")
+        rows.append(f"  ops {total / 1e3:.1f} ms of the launch; the rest is the base GEMMs, scheduling and the "
+                    f"batch's inputs")
+        return "\n".join(rows)
+
+
 def sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -97,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapters", type=int, default=0,
                    help="distinct adapters (0: one per request of the round); the running requests cycle over them")
     p.add_argument("--host-profile", action="store_true",
-                   help="also run one more round per mode with the host's launch of its step under cProfile (which "
-                        "Python functions the launch time goes to)")
+                   help="also run two more rounds per mode: one with the host's launch of its step under cProfile "
+                        "(which Python functions the launch time goes to), one with each backend op's host time "
+                        "and any CUDA sync reported")
     p.add_argument("--out", default="prefill.txt")
     args = p.parse_args(argv)
     cfg = model_config(args.model)
@@ -151,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             stats.sort_stats("tottime").print_stats(25)
             stats.sort_stats("cumulative").print_stats(30)
             host = f"\n-- host launch under cProfile (by own time, then by cumulative time)\n{stream.getvalue()}"
+            prefill_round(engine, f"{label}-ops", used, args.requests, lengths)
+            sync(engine)
+            timer = OpTimer(engine)
+            flight, ms, syncs = timer.launch()
+            engine.finish_step(flight)
+            sync(engine)
+            finish(engine, args.running)
+            host += f"\n-- host time per op call in one more launch\n{timer.table(ms, syncs)}\n"
         stop_running(engine, running)
         sort = "cuda_time_total" if cuda else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)

@@ -30,7 +30,10 @@ class SideStreamCopier:
             # freed on return could be handed to the next step's inputs and overwritten there before this
             # stream, still waiting behind that step, has read it.
             staged = packed.rows.to(self.pool.device, dtype=self.pool.dtype, non_blocking=True)
-            index = slots.to(self.pool.device, non_blocking=True)
+            # From pinned memory: a copy from pageable memory would wait for this stream, and so for the step
+            # in flight, on the host.
+            index = (slots.pin_memory() if slots.device.type == "cpu" else slots).to(self.pool.device,
+                                                                                       non_blocking=True)
             self.pool.kv[:, :, index] = staged
             event = torch.cuda.Event()
             event.record(self.stream)

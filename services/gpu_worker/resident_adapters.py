@@ -143,6 +143,22 @@ class ResidentAdapters:
         return (self.pool.allocator.can_allocate(slots - adapter_need)
                 and self.pool.adapter_allocator.num_free + spare >= adapter_need)
 
+    def _write_tables(self, rid: int, slots: list[int], packed: PackedAdapter) -> None:
+        """The adapter's row of the device tables, in one asynchronous copy from pinned memory: a plain
+        assignment from a host list is a blocking copy that waits for the compute stream, i.e. for the step
+        in flight when an admission is scheduled ahead of it (EngineConfig.overlap_steps)."""
+        n = len(MODULES)
+        row = torch.tensor(list(slots) + list(packed.ranks) + list(packed.a_off) + list(packed.b_off),
+                           dtype=torch.int32)
+        if self.pool.device.type == "cuda":
+            # The caching host allocator keeps the pinned block until the copy has read it.
+            row = row.pin_memory().to(self.pool.device, non_blocking=True)
+        need, t = len(slots), self.tables
+        t.slots[rid, :need] = row[:need]
+        t.ranks[rid] = row[need:need + n]
+        t.a_off[rid] = row[need + n:need + 2 * n]
+        t.b_off[rid] = row[need + 2 * n:]
+
     def acquire(self, name: str) -> Resident | None:
         """Pin an adapter in the pool, loading it if needed. None when slots are short even after
         evicting every unused adapter (the caller waits or preempts). Unknown adapters raise KeyError."""
@@ -159,11 +175,7 @@ class ResidentAdapters:
             done = self.copy_rows(torch.tensor(slots, dtype=torch.long), packed)
             if done is not None:
                 self._copying[name] = done
-            t = self.tables
-            t.slots[rid, :need] = torch.tensor(slots, dtype=torch.int32)
-            t.ranks[rid] = torch.tensor(packed.ranks, dtype=torch.int32)
-            t.a_off[rid] = torch.tensor(packed.a_off, dtype=torch.int32)
-            t.b_off[rid] = torch.tensor(packed.b_off, dtype=torch.int32)
+            self._write_tables(rid, slots, packed)
             res = Resident(name, rid, slots, packed.ranks)
             self._by_name[name] = res
             self._slots_in_use += need

@@ -1,7 +1,7 @@
 """An adapter copied into the pool while a step is still running on the GPU (a step launched ahead,
 EngineConfig.overlap_steps) lands in the slots it was given, whatever the compute stream allocates and
-writes meanwhile: the side stream waits behind that step and must not read memory the host has already
-handed to the next step's inputs."""
+writes meanwhile: the side stream runs behind that step and behind earlier copies, so it must not read
+memory the host has already handed to the next step's inputs."""
 from __future__ import annotations
 
 import pytest
@@ -25,22 +25,51 @@ def packed(name: str, n_slots: int, width: int, layers: int, seed: int) -> Packe
     return PackedAdapter(name, rows, ranks, (0,) * len(MODULES), (n_slots // 2,) + (0,) * (len(MODULES) - 1))
 
 
-def test_copy_behind_a_running_step_survives_the_next_steps_allocations(tmp_path):
+def test_copy_queued_behind_earlier_copies_reads_the_slots_it_was_given(tmp_path):
     cfg = ModelConfig.from_dir(make_model(tmp_path / "model", preset="tiny-gqa", seed=1))
-    width, layers = cfg.kv_dim, cfg.num_layers
-    pool = UnifiedPool(layers, 4096, width, torch.float32, "cuda")
+    width, layers, num_slots = cfg.kv_dim, cfg.num_layers, 4096
+    pool = UnifiedPool(layers, num_slots, width, torch.float32, "cuda")
     copier = SideStreamCopier(pool)
     adapters = {f"a{i}": packed(f"a{i}", 16 + 8 * i, width, layers, seed=i) for i in range(6)}
     resident = ResidentAdapters(pool, cfg, max_resident=8, max_rank=64, loader=adapters.__getitem__,
                                 copy_rows=copier.copy)
+    decoy = num_slots - 1  # a valid slot no adapter here is given: a copy that reads it writes the wrong rows
     for name in adapters:
-        torch.cuda._sleep(50_000_000)  # the step in flight: tens of ms of GPU time on the compute stream
+        # The side stream is still busy (earlier adapters' copies, tens of ms of them) when this one is queued.
+        with torch.cuda.stream(copier.stream):
+            torch.cuda._sleep(50_000_000)
         res = resident.acquire(name)
+        assert decoy not in res.slots
         # The host builds the next step meanwhile: its small index tensors come from the compute stream's
-        # cache and are filled with ids far out of the pool's range.
-        scratch = [torch.full((n,), 10**9, dtype=torch.long, device="cuda") for n in (8, 16, 24, 32, 48, 64) * 4]
+        # cache and are written at once, long before the side stream reaches this adapter's scatter.
+        scratch = [torch.full((n,), decoy, dtype=torch.long, device="cuda") for n in (8, 16, 24, 32, 48, 64) * 4]
         copier.order_before_compute()
         torch.cuda.synchronize()
         del scratch
         got = pool.kv[:, :, torch.tensor(res.slots, device="cuda")].cpu()
         torch.testing.assert_close(got, adapters[name].rows, rtol=0, atol=0)
+
+
+def test_loading_an_adapter_does_not_wait_for_the_step_in_flight(tmp_path):
+    """An admission scheduled ahead loads its adapters while the GPU still runs the last step: a blocking copy
+    there (a device table written from a host list) would stall the host until that step ends."""
+    cfg = ModelConfig.from_dir(make_model(tmp_path / "model", preset="tiny-gqa", seed=1))
+    pool = UnifiedPool(cfg.num_layers, 4096, cfg.kv_dim, torch.float32, "cuda")
+    copier = SideStreamCopier(pool)
+    adapters = {f"a{i}": packed(f"a{i}", 16 + 8 * i, cfg.kv_dim, cfg.num_layers, seed=i) for i in range(3)}
+    resident = ResidentAdapters(pool, cfg, max_resident=4, max_rank=64, loader=adapters.__getitem__,
+                                copy_rows=copier.copy)
+    torch.cuda._sleep(50_000_000)  # the step in flight
+    torch.cuda.set_sync_debug_mode("error")  # any host wait on the device raises
+    try:
+        for name in adapters:
+            assert resident.acquire(name) is not None
+        copier.order_before_compute()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for name, res in resident._by_name.items():
+        got = pool.kv[:, :, torch.tensor(res.slots, device="cuda")].cpu()
+        torch.testing.assert_close(got, adapters[name].rows, rtol=0, atol=0)
+        assert resident.tables.slots[res.resident_id, :len(res.slots)].tolist() == res.slots
+        assert resident.tables.ranks[res.resident_id].tolist() == list(adapters[name].ranks)
