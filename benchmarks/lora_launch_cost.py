@@ -1,5 +1,6 @@
 """Host time of one LoRA shrink or expand call in an admission step, split into our launcher's own work and
-Triton's launch path, beside plain Triton kernels of 3 and of 40 arguments.
+Triton's launch path, beside plain Triton kernels of 3 and of 40 arguments, and with the step's launch plan
+(the first layer's launch reused by the others).
 
 An admission step over 100 adapters beside 376 decoding requests launches in ~58 ms against ~31 ms base-only,
 and the 128 shrink and expand calls take 183 and 155 µs each on the host (docs/benchmarks.md, S2 at 384 with
@@ -110,9 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     def forty():
         _forty_args[(1,)](small, *ptrs, 64, *range(1, 30), BLOCK=64)
 
-    three(), forty()
-    rows = {"lora_shrink (q,k,v), as the model calls it": per_call_us(shrink, calls, device),
-            "lora_expand (q,k,v), as the model calls it": per_call_us(expand, calls, device),
+    plan: dict = {}  # the step's launch plan (ops/triton_backend.prepare_lora), primed by a first layer
+
+    def shrink_planned():
+        return SHRINK.lora_shrink(x, buf, token_adapter, tables, modules, 64, plan=plan, **hints)
+
+    def expand_planned():
+        EXPAND.lora_expand(y, buf, token_adapter, tables, modules, out, dims, plan=plan, **hints)
+
+    three(), forty(), shrink_planned(), expand_planned()
+    rows = {"lora_shrink (q,k,v), without a plan": per_call_us(shrink, calls, device),
+            "lora_expand (q,k,v), without a plan": per_call_us(expand, calls, device),
+            "lora_shrink (q,k,v), the step's plan reused": per_call_us(shrink_planned, calls, device),
+            "lora_expand (q,k,v), the step's plan reused": per_call_us(expand_planned, calls, device),
             "Triton kernel of 3 arguments": per_call_us(three, calls, device),
             "Triton kernel of 40 arguments": per_call_us(forty, calls, device)}
     kernels = {m: {n: getattr(m, n) for n in dir(m) if n.startswith("_") and n.endswith("_kernel")}

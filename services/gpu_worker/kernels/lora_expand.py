@@ -259,8 +259,19 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
                 seg_start: torch.Tensor | None = None, seg_adapter: torch.Tensor | None = None,
                 token_order: torch.Tensor | None = None, max_seg_len: int | None = None,
                 live_segments: int | None = None, num_live: torch.Tensor | None = None,
-                segment_programs: int = 0, chunk_items=None, config: ExpandConfig | None = None) -> None:
-    """Same contract as ops.reference.lora_expand (in place on `out`); segment arguments as lora_shrink."""
+                segment_programs: int = 0, chunk_items=None, config: ExpandConfig | None = None,
+                plan: dict | None = None) -> None:
+    """Same contract as ops.reference.lora_expand (in place on `out`); segment arguments and `plan` as
+    lora_shrink."""
+    key = None
+    if plan is not None:
+        key = ("expand", tuple(modules), tuple(out_dims), tuple(y.shape), y.stride(), y.dtype, y.device,
+               tuple(v_buf.shape), v_buf.stride(), v_buf.dtype, tuple(out.shape), out.stride(), out.dtype,
+               id(token_adapter), id(tables), config)
+        launch = plan.get(key)
+        if launch is not None:
+            launch(y, v_buf, out)
+            return
     check_tensor("y", y, ndim=3, dtypes=FLOAT_DTYPES)
     device = y.device
     check_pool_buffer("v_buf", v_buf, device)
@@ -298,27 +309,35 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     d0, d1, d2 = pad3(out_dims)
     col_start = [sum(out_dims[:g]) for g in range(num_groups)]
     c0, c1, c2 = pad3(tuple(col_start))
-    if not segmented:
-        _expand_token_kernel[(num_tokens, num_groups, n_col_groups)](
-            y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), token_adapter,
+    common = dict(BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if segmented:
+        longest = max_seg_len if max_seg_len is not None else num_tokens
+        chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
+        seg_programs, shared = segment_programs_of(num_segments, cfg.segment_programs, num_live, device)
+        seg_axis, n_seq_chunks, items = segment_launch(seg_programs, longest, chunk, shared, chunk_items, device)
+        common.update(BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None,
+                      HAS_LIVE=shared and num_live is not None, SHARED=shared, HAS_ITEMS=items is not None,
+                      PRECISION="ieee" if y.dtype == torch.float32 else "tf32")
+        seg_args = (seg_start, seg_adapter, token_order if token_order is not None else seg_start,
+                    num_live if num_live is not None else seg_start, items if items is not None else seg_start,
+                    items.stride(0) if items is not None else 0)
+
+    def launch(y: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor) -> None:
+        """The kernel alone, for this shape: the tensors that change from layer to layer come in."""
+        if not segmented:
+            _expand_token_kernel[(num_tokens, num_groups, n_col_groups)](
+                y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), token_adapter,
+                tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
+                out, out.stride(0), width, y_rank, cfg.tiles_per_prog,
+                m0, m1, m2, d0, d1, d2, c0, c1, c2, **common)
+            return
+        _expand_segment_kernel[(seg_axis, n_seq_chunks, num_groups * n_col_groups)](
+            y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), *seg_args,
             tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
-            out, out.stride(0), width, y_rank, cfg.tiles_per_prog,
-            m0, m1, m2, d0, d1, d2, c0, c1, c2,
-            BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return
-    longest = max_seg_len if max_seg_len is not None else num_tokens
-    chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
-    seg_programs, shared = segment_programs_of(num_segments, cfg.segment_programs, num_live, device)
-    seg_axis, n_seq_chunks, items = segment_launch(seg_programs, longest, chunk, shared, chunk_items, device)
-    _expand_segment_kernel[(seg_axis, n_seq_chunks, num_groups * n_col_groups)](
-        y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), seg_start, seg_adapter,
-        token_order if token_order is not None else seg_start, num_live if num_live is not None else seg_start,
-        items if items is not None else seg_start, items.stride(0) if items is not None else 0,
-        tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
-        out, out.stride(0), width, y_rank, chunk, n_col_groups, cfg.tiles_per_prog, num_segments, seg_programs,
-        m0, m1, m2, d0, d1, d2, c0, c1, c2,
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
-        HAS_ORDER=token_order is not None, HAS_LIVE=shared and num_live is not None, SHARED=shared,
-        HAS_ITEMS=items is not None, PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            out, out.stride(0), width, y_rank, chunk, n_col_groups, cfg.tiles_per_prog, num_segments, seg_programs,
+            m0, m1, m2, d0, d1, d2, c0, c1, c2, **common)
+
+    if plan is not None:
+        plan[key] = launch
+    launch(y, v_buf, out)

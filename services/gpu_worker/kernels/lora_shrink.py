@@ -303,7 +303,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
                 seg_adapter: torch.Tensor | None = None, token_order: torch.Tensor | None = None,
                 max_seg_len: int | None = None, live_segments: int | None = None, num_live: torch.Tensor | None = None,
                 segment_programs: int = 0, chunk_items=None, out: torch.Tensor | None = None,
-                config: ShrinkConfig | None = None) -> torch.Tensor:
+                config: ShrinkConfig | None = None, plan: dict | None = None) -> torch.Tensor:
     """Same contract as ops.reference.lora_shrink: `[len(modules), T, max_rank]` in x's dtype.
 
     With seg_start/seg_adapter the segment form runs (segments must cover all T positions; token_order,
@@ -317,7 +317,19 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     chunk_items (lora_groups.ChunkItems, optional) lists the (segment, chunk) pairs that hold tokens: a launch
     cutting long segments into chunks of its size then runs one program per pair (segment_launch).
     `out` may be given to write into
-    (for example a buffer reused across CUDA graph replays)."""
+    (for example a buffer reused across CUDA graph replays). `plan` (a dict, one per step) keeps the launch
+    worked out for the first layer, checks and launch shape included, so the step's other layers, whose
+    tensors have the same shapes, only launch."""
+    key = None
+    if plan is not None:
+        # Everything the checks and the launch shape read, bar the step's own tensors (fixed with the plan).
+        key = ("shrink", tuple(modules), max_rank, tuple(x.shape), x.stride(), x.dtype, x.device,
+               tuple(k_buf.shape), k_buf.stride(), k_buf.dtype,
+               None if out is None else (tuple(out.shape), out.stride(), out.dtype),
+               id(token_adapter), id(tables), config)
+        launch = plan.get(key)
+        if launch is not None:
+            return launch(x, k_buf, out)
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
     check_pool_buffer("k_buf", k_buf, device)
@@ -354,38 +366,48 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     r_tiles = cdiv(max_rank, cfg.block_r)
     rows_p = r_tiles * cfg.block_r
     split = n_split > 1
-    dst = torch.empty(n_split, num_groups, num_tokens, rows_p, dtype=torch.float32, device=device) if split else out
     m0, m1, m2 = pad3(modules)
     common = dict(NUM_GROUPS=num_groups, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, ALIGNED=aligned, EVEN=even,
                   SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not segmented:
-        _shrink_token_kernel[(num_tokens, num_groups, r_tiles * n_split)](
-            x, x.stride(0), k_buf, k_buf.stride(0), token_adapter,
-            tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
-            dst, out.stride(0), out.stride(1),
-            num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p,
-            m0, m1, m2, **common)
-    else:
+    if segmented:
         longest = max_seg_len if max_seg_len is not None else num_tokens
         chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
-        precision = "ieee" if x.dtype == torch.float32 else "tf32"
         seg_programs, shared = segment_programs_of(num_segments, cfg.segment_programs, num_live, device)
         seg_axis, n_seq_chunks, items = segment_launch(seg_programs, longest, chunk, shared, chunk_items, device)
-        _shrink_segment_kernel[(seg_axis, n_seq_chunks, num_groups * r_tiles * n_split)](
-            x, x.stride(0), k_buf, k_buf.stride(0), seg_start, seg_adapter,
-            token_order if token_order is not None else seg_start, num_live if num_live is not None else seg_start,
-            items if items is not None else seg_start, items.stride(0) if items is not None else 0,
-            tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
-            dst, out.stride(0), out.stride(1),
-            num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk, r_tiles,
-            num_segments, seg_programs,
-            m0, m1, m2, BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None,
-            HAS_LIVE=shared and num_live is not None, SHARED=shared, HAS_ITEMS=items is not None,
-            PRECISION=precision, **common)
-    if split:
-        block_r = min(next_pow2(rows_p), 256)
-        _shrink_finalize_kernel[(num_tokens, num_groups, cdiv(rows_p, block_r))](
-            dst, out, out.stride(0), out.stride(1), token_adapter, tables.ranks,
-            num_tokens, max_rank, n_split, rows_p, m0, m1, m2,
-            NUM_GROUPS=num_groups, BLOCK_R=block_r, num_warps=1 if block_r <= 64 else 4)
-    return out
+        common.update(BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None,
+                      HAS_LIVE=shared and num_live is not None, SHARED=shared, HAS_ITEMS=items is not None,
+                      PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        seg_args = (seg_start, seg_adapter, token_order if token_order is not None else seg_start,
+                    num_live if num_live is not None else seg_start, items if items is not None else seg_start,
+                    items.stride(0) if items is not None else 0)
+    finalize_block = min(next_pow2(rows_p), 256)
+
+    def launch(x: torch.Tensor, k_buf: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The kernels alone, for this shape: the tensors that change from layer to layer come in."""
+        if out is None:
+            out = torch.empty(num_groups, num_tokens, max_rank, dtype=x.dtype, device=device)
+        dst = torch.empty(n_split, num_groups, num_tokens, rows_p, dtype=torch.float32, device=device) if split else out
+        if not segmented:
+            _shrink_token_kernel[(num_tokens, num_groups, r_tiles * n_split)](
+                x, x.stride(0), k_buf, k_buf.stride(0), token_adapter,
+                tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
+                dst, out.stride(0), out.stride(1),
+                num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p,
+                m0, m1, m2, **common)
+        else:
+            _shrink_segment_kernel[(seg_axis, n_seq_chunks, num_groups * r_tiles * n_split)](
+                x, x.stride(0), k_buf, k_buf.stride(0), *seg_args,
+                tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
+                dst, out.stride(0), out.stride(1),
+                num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk, r_tiles,
+                num_segments, seg_programs, m0, m1, m2, **common)
+        if split:
+            _shrink_finalize_kernel[(num_tokens, num_groups, cdiv(rows_p, finalize_block))](
+                dst, out, out.stride(0), out.stride(1), token_adapter, tables.ranks,
+                num_tokens, max_rank, n_split, rows_p, m0, m1, m2,
+                NUM_GROUPS=num_groups, BLOCK_R=finalize_block, num_warps=1 if finalize_block <= 64 else 4)
+        return out
+
+    if plan is not None:
+        plan[key] = launch
+    return launch(x, k_buf, out)

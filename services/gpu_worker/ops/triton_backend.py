@@ -26,5 +26,9 @@ def prepare_lora(lora: LoraBatch) -> None:
     num_chunks = chunk_count(lora.segment_lengths) if long_segments else None
     groups = group_tokens_by_adapter(lora.token_adapter, lora.tables.ranks.shape[0], lora.num_segments,
                                      count_live=programs > 0, num_chunks=num_chunks)
+    # `plan`: the step's launches, worked out (checks, launch shape) at the first layer and reused by the
+    # others; on the H200 that work is a third of a shrink or expand call's host time
+    # (benchmarks/lora_launch_cost.py), and an admission step's launch outlasts the decode step it follows.
     lora.kernel_args = {**groups.kwargs(), "max_seg_len": lora.max_seg_len,
-                        "live_segments": lora.live_segments if graph else None, "segment_programs": programs}
+                        "live_segments": lora.live_segments if graph else None, "segment_programs": programs,
+                        "plan": {}}
