@@ -6,11 +6,12 @@ graph covers, or any decode step on the CPU); "prefill", a step that carries pro
 decode tokens beside them (an admission round). They are served as counters (WorkerStatus, then /metrics),
 so the share of a window each kind took is the difference of two readings; `loraplex bench` records it for
 every point. A step whose requests all stop mid-prompt samples nothing, so its time runs until its launch
-returns and the wait for its kernels falls to the next step; with overlap_steps a step launched ahead of
-the last one's tokens counts from its launch, so the seconds of overlapping steps add up to more than the
-wall time. `launch` is the part of a step's seconds until its last kernel was launched: the host's
-scheduling, batch building and kernel launches; a step whose launch takes nearly all of its time kept the
-GPU waiting on the host.
+returns and the wait for its kernels falls to the next step. With overlap_steps a step is launched before
+the last one's tokens reach the host; it counts only from that moment (its own time, not the wait behind
+the step before), so the kinds' seconds add up to the wall time whether steps overlap or not. `launch` is
+the part of a step's seconds until its last kernel was launched: the host's scheduling, batch building and
+kernel launches, as far as they ran after the step before had ended (launched ahead, only what the previous
+step did not hide); a step whose launch takes nearly all of its time kept the GPU waiting on the host.
 """
 from __future__ import annotations
 
@@ -30,17 +31,21 @@ class StepStats:
     seconds: dict[str, float] = _zeros(float)
     tokens: dict[str, int] = _zeros(int)
     launch: dict[str, float] = _zeros(float)
+    last_end: float = float("-inf")  # when the last recorded step's tokens reached the host
 
     def record(self, kind: str, started: float, tokens: int, now: float | None = None,
                launched: float | None = None) -> None:
         """One finished step of `kind`, begun at `started` and launched by `launched` (time.perf_counter)."""
         if kind not in self.steps:
             raise ValueError(f"unknown step kind {kind!r}; kinds are {', '.join(STEP_KINDS)}")
+        now = time.perf_counter() if now is None else now
+        own = max(started, self.last_end)  # a step launched ahead waited behind the last one until then
         self.steps[kind] += 1
-        self.seconds[kind] += (time.perf_counter() if now is None else now) - started
+        self.seconds[kind] += max(0.0, now - own)
         self.tokens[kind] += tokens
         if launched is not None:
-            self.launch[kind] += launched - started
+            self.launch[kind] += max(0.0, launched - own)
+        self.last_end = max(self.last_end, now)
 
 
 def step_kind(replayed: bool, decode_only: bool) -> str:
