@@ -27,7 +27,8 @@ from bench.adapters import DEFAULT_CONCURRENCY, Population, Registration, regist
 from bench.settings import Setting
 from shared.config import EngineConfig
 from services.launcher_children import die_with_parent
-from shared.probes import alive, descendants, free_port
+from shared.ports import EXIT_ADDRESS_IN_USE, free_port
+from shared.probes import alive, descendants
 
 SYSTEMS = ("loraplex", "base-only", "peft", "merge", "bmm", "no-unify")
 LORA_MODES = {"bmm": "bmm", "merge": "merge"}
@@ -44,6 +45,7 @@ POLICIES: dict[str, tuple[str, ...]] = {
 # request on its own adapter), since a fixed partition must fit its worst case.
 NO_UNIFY_ADAPTERS = EngineConfig().max_running_requests
 STOP_TIMEOUT_S = 60.0
+PORT_ATTEMPTS = 3  # starts on fresh HTTP ports when the chosen one turns out to be taken
 
 
 def check_system(system: str) -> str:
@@ -122,22 +124,29 @@ def base_model(url: str, default: str) -> str:
     return next((m["id"] for m in models if not m.get("parent")), default)
 
 
+class PortTaken(RuntimeError):
+    pass
+
+
 class Stack:
     """`with Stack(config) as stack:` a ready server at `stack.url`, its adapters registered; stopped on exit."""
 
     def __init__(self, config: StackConfig):
         self.config = config
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.choose_port()
         self.proc: subprocess.Popen | None = None
         self.base_model = ""
         self.registration: Registration | None = None
         self.startup_s = 0.0
         self.left_behind: list[int] = []  # processes that outlived the stop (killed; tests check it stays empty)
         self.pids: set[int] = set()
-        logs = config.work_dir / "logs"
+
+    def choose_port(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        logs = self.config.work_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.log_path = logs / f"{config.setting.name}-{config.system}-{self.port}.log"
+        self.log_path = logs / f"{self.config.setting.name}-{self.config.system}-{self.port}.log"
 
     # ---- what runs ---------------------------------------------------------------------------------
     @property
@@ -213,6 +222,19 @@ class Stack:
 
     # ---- start -------------------------------------------------------------------------------------
     def start(self, registration_deadline: float | None = None) -> "Stack":
+        """Start and register; a server that found its HTTP port taken (chosen by another process at the same
+        moment) is started again on another."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start(registration_deadline)
+            except PortTaken:
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                sys.stderr.write(f"  {self.config.label}: port {self.port} was taken, starting on another\n")
+                self.choose_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, registration_deadline: float | None) -> "Stack":
         c = self.config
         argv = self.command()
         env = child_env(PYTHONUNBUFFERED="1", **c.env)
@@ -255,6 +277,8 @@ class Stack:
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None:
+                if self.proc.returncode == EXIT_ADDRESS_IN_USE:
+                    raise PortTaken(f"{self.config.label}: port {self.port} taken")
                 raise RuntimeError(f"{self.config.label}: server exited with {self.proc.returncode} before it was ready:\n"
                                    f"{self.log_tail()}")
             now = time.monotonic()

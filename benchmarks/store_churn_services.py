@@ -16,7 +16,7 @@ import zmq
 from bench import REPO, child_env
 from services.launcher_children import die_with_parent
 from services.launcher_redis import redis_command, redis_ping
-from shared.probes import free_port
+from shared.ports import free_port
 from services.adapter_store.client import StoreClient
 from shared.wire import AdapterRegistered, Ping, Pong, RegisterAdapter, StoreError, decode, encode
 

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import httpx
 
-from shared.probes import free_port, metric, rss_mb, service_pids
+from shared.ports import free_port
+from shared.probes import metric, rss_mb, service_pids
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_MODEL = "model"

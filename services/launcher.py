@@ -21,7 +21,7 @@ from pathlib import Path
 import zmq
 
 from shared.log import configure_logging, get_logger
-from shared.probes import free_ports
+from shared.ports import EXIT_ADDRESS_IN_USE, free_ports
 
 from .launcher_children import Child, ChildFailed, stop_children
 from .launcher_commands import Topology, model_dir_of, service_commands
@@ -35,6 +35,7 @@ log = get_logger("launcher")
 MAX_DEATHS = 5
 CRASH_WINDOW_S = 60.0
 SUPERVISE_PERIOD_S = 0.1
+PORT_ATTEMPTS = 3  # startups on fresh ports when a chosen one turns out to be taken
 
 
 def zmq_ping(addr: str, timeout_s: float = 0.5) -> bool:
@@ -191,6 +192,24 @@ class Launcher:
         log.info("loraplex.ready", url=self.base_url, dashboard=f"{self.base_url}/dashboard", workers=self.config.workers,
                  data_dir=str(self.data_dir))
 
+    def start_on_free_ports(self) -> None:
+        """start, after prepare. A service that finds the port chosen for it taken (another stack choosing
+        ports at the same moment) exits with EXIT_ADDRESS_IN_USE: the children started so far stop and the
+        stack is prepared and started again on fresh ports. The gateway's port is the user's: final."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self.start()
+                return
+            except ChildFailed as e:
+                retry = (e.status == EXIT_ADDRESS_IN_USE and e.child != "gateway" and not self.stop_requested
+                         and attempt < PORT_ATTEMPTS)
+                if not retry:
+                    raise
+                log.warning("launcher.port_taken", child=e.child, attempt=attempt, retrying=True)
+                stop_children(list(reversed(self.children)), 15.0)
+                self.children = []
+                self.prepare()
+
     def wait_stack_ready(self) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
         while True:
@@ -205,7 +224,8 @@ class Launcher:
                 raise ChildFailed(f"{self.base_url}/ready did not turn ready within {self.config.ready_timeout_s:g}s")
             for child in self.children:
                 if not child.running():
-                    raise ChildFailed(f"{child.name} exited with status {child.proc.returncode} during startup")
+                    raise ChildFailed(f"{child.name} exited with status {child.proc.returncode} during startup",
+                                      child.proc.returncode, child.name)
             time.sleep(0.1)
 
     def admin_headers(self) -> dict[str, str]:
@@ -291,11 +311,15 @@ class Launcher:
         signal.signal(signal.SIGINT, self.request_stop)
         try:
             self.prepare()
-            self.start()
+            self.start_on_free_ports()
             self.supervise()
         except ChildFailed as e:
             log.error("launcher.startup_failed", error=str(e))
-            self.exit_code = 0 if self.stop_requested and "cancelled" in str(e) else 1
+            if self.stop_requested and "cancelled" in str(e):
+                self.exit_code = 0
+            else:
+                # A taken HTTP port is passed on, so that whoever chose it can choose another.
+                self.exit_code = EXIT_ADDRESS_IN_USE if e.status == EXIT_ADDRESS_IN_USE else 1
         finally:
             self.stop()
         return self.exit_code

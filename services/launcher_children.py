@@ -37,7 +37,12 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
 
 
 class ChildFailed(RuntimeError):
-    pass
+    """Startup failed; `status` and `child`: the exit status and name of the child that ended it, if one exited."""
+
+    def __init__(self, message: str, status: int | None = None, child: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.child = child
 
 
 @dataclass(eq=False)
@@ -89,7 +94,7 @@ class Child:
         while not self.probe():
             if not self.running():
                 code = self.proc.returncode if self.proc is not None else None
-                raise ChildFailed(f"{self.name} exited with status {code} before it was ready")
+                raise ChildFailed(f"{self.name} exited with status {code} before it was ready", code, self.name)
             if cancelled():
                 raise ChildFailed(f"startup cancelled while waiting for {self.name}")
             if time.monotonic() > deadline:

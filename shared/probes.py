@@ -1,36 +1,12 @@
-"""Looking at a running stack from outside it: free ports, the process tree under a supervisor, a process's
+"""Looking at a running stack from outside it: the process tree under a supervisor, a process's
 memory and CPU time, and one sample of a Prometheus exposition. The launcher, the soak script, the bench
 driver and the tests use these."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
-
-
-def free_ports(count: int, host: str = "127.0.0.1", exclude: set[int] = frozenset()) -> list[int]:
-    """`count` distinct ports free now. Every probe socket stays open until all are chosen: closing each
-    before asking for the next lets the kernel hand out the same port twice."""
-    sockets: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < count:
-            s = socket.socket()
-            sockets.append(s)
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-            if port not in exclude:
-                ports.append(port)
-        return ports
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _stat_fields(pid: int | str) -> list[str] | None:

@@ -21,6 +21,7 @@ import zmq
 
 from shared.log import configure_logging, get_logger
 from shared.model_config import ModelConfig
+from shared.ports import EXIT_ADDRESS_IN_USE, is_address_in_use
 from shared.wire import (
     AcquireAdapter, DeleteAdapter, GetAdapter, ListAdapters, Message, Ping, Pong, RegisterAdapter,
     ReleaseAdapter, ReleaseWorker, StoreError, WarmAdapters, WireError, decode, encode,
@@ -230,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, service.stop)
     try:
         service.serve()
+    except zmq.ZMQError as e:
+        if not is_address_in_use(e):
+            raise
+        # The launcher chose this port and starts again on fresh ones when it sees this status.
+        log.error("address_in_use", bind=cfg.bind, error=str(e))
+        return EXIT_ADDRESS_IN_USE
     finally:
         service.close()
     return 0

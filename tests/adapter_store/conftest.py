@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from services.launcher_redis import redis_command
-from shared.probes import free_port
+from shared.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,8 @@ import pytest
 from bench.client import STREAMS_PER_CLIENT, RequestRecord, _Clients, _Stream, auto_processes, prompt_ids, run_trace
 from bench.workload import TraceRequest, make_trace
 from services.gateway.sse import DONE, event
-from shared.probes import free_port, metric
+from shared.ports import free_port
+from shared.probes import metric
 from shared.tiny_model import VOCAB_SIZE
 from tests.bench.conftest import BASE_MODEL, demo_model_for
 

@@ -13,7 +13,8 @@ import pytest
 from bench.client import RequestRecord, run_trace
 from bench.metrics import ServerSampler, _CounterDelta, parse_samples, summarize
 from bench.workload import TraceRequest
-from shared.probes import free_port, metric, metric_samples, metric_sum
+from shared.ports import free_port
+from shared.probes import metric, metric_samples, metric_sum
 from shared.tiny_model import VOCAB_SIZE
 from tests.e2e.conftest import upload
 

@@ -25,7 +25,7 @@ from bench import REPO, child_env
 from bench.baselines.grouping import GroupingQueue, PendingRequest
 from bench.baselines.peft_model import build_base_model, index_adapters
 from services.gateway.detokenize import IncrementalDetokenizer
-from shared.probes import free_port
+from shared.ports import free_port
 
 BASE = "model"  # the tiny checkpoint's folder name, the base model's default served name
 A0, A1, A2 = "adapter-000", "adapter-001", "adapter-002"

@@ -96,6 +96,31 @@ def test_a_stack_that_cannot_start_says_why_and_leaves_nothing(population):
     assert stack.proc is None and stack.pids and [p for p in stack.pids if alive(p)] == []
 
 
+def test_a_server_whose_http_port_was_taken_starts_again_on_another(population):
+    """Another process binds the port the stack chose before its gateway does: the gateway exits with
+    EXIT_ADDRESS_IN_USE, the launcher passes it on, and the stack starts again on a fresh port."""
+    import httpx
+
+    work, pop = population
+    stack = tiny_stack(work, pop, n=1)
+    taken = stack.port
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", taken))
+    holder.listen()
+    try:
+        stack.start()
+        try:
+            assert stack.port != taken and stack.registration.complete
+            assert httpx.get(stack.url + "/ready", timeout=10).status_code == 200
+            first_log = (work / "logs" / f"tiny-loraplex-{taken}.log").read_text()
+            assert "address_in_use" in first_log and f"port={taken}" in first_log, first_log[-3000:]
+        finally:
+            stack.stop()
+    finally:
+        holder.close()
+    assert [p for p in stack.pids if alive(p)] == []
+
+
 def test_system_flags(population, tmp_path):
     work, pop = population
 

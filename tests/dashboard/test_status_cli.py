@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from shared.probes import free_port
+from shared.ports import free_port
 from tests.dashboard.conftest import ADMIN, REPO, TENANT, complete, metric_sum, settled_samples
 
 

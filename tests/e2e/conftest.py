@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.probes import alive, descendants, free_port, service_pids
+from shared.ports import free_port
+from shared.probes import alive, descendants, service_pids
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0

@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 import zmq
 
-from shared.probes import free_port
+from shared.ports import free_port
 from shared.wire import (
     AbortRequest, AdapterCard, AdapterDeleted, AdapterList, AdapterRegistered, DeleteAdapter, GetAdapter,
     ListAdapters, Ping, Pong, RegisterAdapter, StoreError, SubmitRequest, TokenBatch, TokenOutput,
