@@ -1,6 +1,7 @@
 """Host time of one LoRA shrink or expand call in an admission step, split into our launcher's own work and
 Triton's launch path, beside plain Triton kernels of 3 and of 40 arguments, and with the step's launch plan
-(the first layer's launch reused by the others).
+(the first layer's launch reused by the others), and with that plan's later calls launched direct, skipping
+Triton's argument binding (kernels/compiled_launch.py).
 
 An admission step over 100 adapters beside 376 decoding requests launches in ~58 ms against ~31 ms base-only,
 and the 128 shrink and expand calls take 183 and 155 µs each on the host (docs/benchmarks.md, S2 at 384 with
@@ -23,6 +24,8 @@ import triton
 import triton.language as tl
 
 from services.gpu_worker.kernels import lora_expand as _expand_fn  # noqa: F401 (loads the modules)
+from services.gpu_worker.kernels.compiled_launch import direct_calls
+from services.gpu_worker.kernels.compiled_launch import set_enabled as set_direct
 from services.gpu_worker.kernels.lora_groups import chunk_count, group_tokens_by_adapter
 from services.gpu_worker.ops.meta import LoraTables
 
@@ -119,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     def expand_planned():
         EXPAND.lora_expand(y, buf, token_adapter, tables, modules, out, dims, plan=plan, **hints)
 
+    direct_plan: dict = {}  # the same, its later layers launched direct (worker.direct_launch)
+
+    def shrink_direct():
+        return SHRINK.lora_shrink(x, buf, token_adapter, tables, modules, 64, plan=direct_plan, **hints)
+
+    def expand_direct():
+        EXPAND.lora_expand(y, buf, token_adapter, tables, modules, out, dims, plan=direct_plan, **hints)
+
     three(), forty(), shrink_planned(), expand_planned()
     rows = {"lora_shrink (q,k,v), without a plan": per_call_us(shrink, calls, device),
             "lora_expand (q,k,v), without a plan": per_call_us(expand, calls, device),
@@ -126,6 +137,16 @@ def main(argv: list[str] | None = None) -> int:
             "lora_expand (q,k,v), the step's plan reused": per_call_us(expand_planned, calls, device),
             "Triton kernel of 3 arguments": per_call_us(three, calls, device),
             "Triton kernel of 40 arguments": per_call_us(forty, calls, device)}
+    set_direct(True)
+    try:
+        before = direct_calls()
+        shrink_direct(), expand_direct()
+        rows["lora_shrink (q,k,v), plan reused, launched direct"] = per_call_us(shrink_direct, calls, device)
+        rows["lora_expand (q,k,v), plan reused, launched direct"] = per_call_us(expand_direct, calls, device)
+        if device.type == "cuda" and direct_calls() == before:
+            raise RuntimeError("no launch went direct: the rows above timed Triton's ordinary path")
+    finally:
+        set_direct(False)
     kernels = {m: {n: getattr(m, n) for n in dir(m) if n.startswith("_") and n.endswith("_kernel")}
                for m in (SHRINK, EXPAND)}
     try:

@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run two more rounds per mode: one with the host's launch of its step under cProfile "
                         "(which Python functions the launch time goes to), one with each backend op's host time "
                         "and any CUDA sync reported")
+    p.add_argument("--direct-launch", action="store_true",
+                   help="later layers launch their LoRA kernels direct (worker.direct_launch)")
     p.add_argument("--out", default="prefill.txt")
     args = p.parse_args(argv)
     cfg = model_config(args.model)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.with_dummy_weights(cfg, EngineConfig(
         device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", num_slots=0 if cuda else 8192,
         max_lora_rank=max(RANKS), max_running_requests=args.requests + args.running,
-        max_batched_tokens=args.max_batched_tokens))
+        max_batched_tokens=args.max_batched_tokens, direct_launch=args.direct_launch))
     names = [f"a{i}" for i in range(args.adapters or args.requests)]
     for i, name in enumerate(names):  # ranks mixed; by default each request of the round on its own adapter
         engine._local_adapters[name] = synthetic_adapter(name, cfg, RANKS[i % len(RANKS)],
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         engine.device)
     lengths = [random.Random(i).randrange(args.prompt_min, args.prompt_max) for i in range(args.requests)]
     report = [f"round of {args.requests} requests, {sum(lengths)} prompt tokens, beside {args.running} running, "
-              f"max_batched_tokens {args.max_batched_tokens}, {cfg.num_layers} layers"]
+              f"max_batched_tokens {args.max_batched_tokens}, {cfg.num_layers} layers"
+              + (", LoRA kernels launched direct after the first layer" if args.direct_launch else "")]
     for label, used in (("base", []), ("lora", names)):
         running = start_running(engine, label, used, args.running)
         prefill_round(engine, f"{label}-warm", used, args.requests, lengths)  # kernels compiled, adapters in

@@ -55,6 +55,10 @@ class Engine:
             # kernels would attend too far back, so the context stops at the window.
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.ops = select_backend(self.device, backend, config.lora_mode)
+        if config.direct_launch:
+            from .kernels.compiled_launch import set_enabled
+
+            set_enabled(True)  # process-wide, as Triton's own launch settings: one engine per worker process
         self.model = LlamaModel(cfg, weights, self.ops, self.max_model_len)
         num_slots = config.num_slots or self._slots_from_memory()
         self.pool = UnifiedPool(cfg.num_layers, num_slots, cfg.kv_dim, self.dtype, self.device,

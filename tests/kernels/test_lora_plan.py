@@ -3,13 +3,23 @@ with their own tensors and give exactly what a call worked out from scratch give
 works out its own."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
 import torch
 from conftest import ALIGNED_CFG, LoraPool
 
 from services.gpu_worker.kernels import group_tokens_by_adapter, lora_expand, lora_shrink
+from services.gpu_worker.kernels.compiled_launch import _fingerprint, direct_calls, set_enabled
 from services.gpu_worker.kernels.lora_groups import chunk_count
+from services.gpu_worker.ops.meta import LoraTables
 from shared.model_config import MODULES
 
+REPO = Path(__file__).resolve().parents[2]
 QKV, O = (0, 1, 2), (3,)
 
 
@@ -55,3 +65,82 @@ def test_layers_after_the_first_reuse_its_launch_and_match_a_fresh_one():
     y = lora_shrink(attn, layer0.k_buf, token_adapter, tables, O, o_rank, plan=plan, **hints)
     assert torch.equal(y, lora_shrink(attn, layer0.k_buf, token_adapter, tables, O, o_rank, **hints))
     assert len(plan) == 3
+
+
+def test_every_lora_kernel_takes_its_constexprs_last_so_later_layers_can_launch_direct():
+    """CompiledLaunch hands the compiled kernel's runner the positional arguments then the constexprs: a
+    kernel with a constexpr before another parameter would never launch direct. Compiled kernels only exist
+    outside the interpreter, hence the subprocess (no GPU needed to build the JIT functions)."""
+    code = textwrap.dedent("""
+        import importlib
+        from services.gpu_worker.kernels.compiled_launch import _layout
+        s = importlib.import_module("services.gpu_worker.kernels.lora_shrink")
+        e = importlib.import_module("services.gpu_worker.kernels.lora_expand")
+        for fn in (s._shrink_token_kernel, s._shrink_segment_kernel, s._shrink_finalize_kernel,
+                   e._expand_token_kernel, e._expand_segment_kernel):
+            layout = _layout(fn)
+            assert layout is not None, fn
+            n_args, names, _ = layout
+            assert n_args > 10 and "BLOCK_R" in names, (fn, layout)
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_a_launch_is_direct_only_where_triton_would_specialise_the_same():
+    base = torch.zeros(64)
+    other = torch.ones(64)
+    shifted = torch.zeros(65)[1:]  # 4 bytes past a 16-byte boundary
+    same = _fingerprint((base, 7, 1))
+    assert _fingerprint((other, 7, 1)) == same  # another layer's tensor: same dtype, device and alignment
+    assert _fingerprint((shifted, 7, 1)) != same
+    assert _fingerprint((base.double(), 7, 1)) != same
+    assert _fingerprint((base, 8, 1)) != same and _fingerprint((base, 7, 2)) != same
+
+
+def to_cuda(lp: LoraPool) -> tuple[torch.Tensor, torch.Tensor, LoraTables]:
+    t = lp.tables
+    tables = LoraTables(t.slots.cuda(), t.ranks.cuda(), t.a_off.cuda(), t.b_off.cuda())
+    return lp.k_buf.cuda(), lp.v_buf.cuda(), tables
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_later_layers_launched_direct_match_ordinary_launches_bit_for_bit(dtype):
+    layers = [LoraPool(ALIGNED_CFG, dtype, seed=s) for s in (3, 4, 5)]
+    bufs = [to_cuda(lp) for lp in layers]
+    tables = bufs[0][2]
+    gen = torch.Generator().manual_seed(11)
+    token_adapter = torch.cat([torch.full((150,), 2, dtype=torch.int32), torch.full((7,), -1, dtype=torch.int32),
+                               torch.arange(layers[0].num_adapters, dtype=torch.int32).repeat(3)])
+    token_adapter = token_adapter[torch.randperm(token_adapter.shape[0], generator=gen)].contiguous().cuda()
+    num_tokens = token_adapter.shape[0]
+    hints = step_hints(token_adapter)
+    fan_in = ALIGNED_CFG.module_dims(MODULES[0])[0]
+    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in QKV)
+    max_rank = layers[0].max_rank(token_adapter.cpu(), QKV)
+    plan: dict = {}
+    set_enabled(True)
+    before = direct_calls()
+    try:
+        for i, (k_buf, v_buf, _) in enumerate(bufs * 2):
+            x = torch.randn(num_tokens, fan_in, generator=gen).to("cuda", dtype)
+            if i == 4:  # same shape and strides 2 bytes or more off a 16-byte boundary: the ordinary launch
+                x = torch.empty(num_tokens * fan_in + 1, device="cuda", dtype=dtype)[1:].view(num_tokens, fan_in).copy_(x)
+            base = torch.randn(num_tokens, sum(out_dims), generator=gen).to("cuda", dtype)
+            y = lora_shrink(x, k_buf, token_adapter, tables, QKV, max_rank, plan=plan, **hints)
+            out = base.clone()
+            lora_expand(y, v_buf, token_adapter, tables, QKV, out, out_dims, plan=plan, **hints)
+            fresh_y = lora_shrink(x, k_buf, token_adapter, tables, QKV, max_rank, **hints)
+            fresh = base.clone()
+            lora_expand(fresh_y, v_buf, token_adapter, tables, QKV, fresh, out_dims, **hints)
+            assert torch.equal(y, fresh_y) and torch.equal(out, fresh), i
+            assert not torch.equal(out, base)
+        torch.cuda.synchronize()
+    finally:
+        set_enabled(False)
+    # Five later layers, each at least a shrink and an expand launched direct (the shifted x's shrink not).
+    assert direct_calls() - before >= 9

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
+from .compiled_launch import CompiledLaunch
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
@@ -323,16 +324,23 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
                     num_live if num_live is not None else seg_start, items if items is not None else seg_start,
                     items.stride(0) if items is not None else 0)
 
+    if segmented:
+        kernel_fn, grid = _expand_segment_kernel, (seg_axis, n_seq_chunks, num_groups * n_col_groups)
+    else:
+        kernel_fn, grid = _expand_token_kernel, (num_tokens, num_groups, n_col_groups)
+    # A planned launch serves every layer of the step: its later layers may skip Triton's binding.
+    kernel = CompiledLaunch(kernel_fn, grid) if plan is not None else kernel_fn[grid]
+
     def launch(y: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor) -> None:
         """The kernel alone, for this shape: the tensors that change from layer to layer come in."""
         if not segmented:
-            _expand_token_kernel[(num_tokens, num_groups, n_col_groups)](
+            kernel(
                 y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), token_adapter,
                 tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
                 out, out.stride(0), width, y_rank, cfg.tiles_per_prog,
                 m0, m1, m2, d0, d1, d2, c0, c1, c2, **common)
             return
-        _expand_segment_kernel[(seg_axis, n_seq_chunks, num_groups * n_col_groups)](
+        kernel(
             y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), *seg_args,
             tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
             out, out.stride(0), width, y_rank, chunk, n_col_groups, cfg.tiles_per_prog, num_segments, seg_programs,

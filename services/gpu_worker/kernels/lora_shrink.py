@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
+from .compiled_launch import CompiledLaunch
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
@@ -381,6 +382,15 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
                     num_live if num_live is not None else seg_start, items if items is not None else seg_start,
                     items.stride(0) if items is not None else 0)
     finalize_block = min(next_pow2(rows_p), 256)
+    if segmented:
+        main_fn, main_grid = _shrink_segment_kernel, (seg_axis, n_seq_chunks, num_groups * r_tiles * n_split)
+    else:
+        main_fn, main_grid = _shrink_token_kernel, (num_tokens, num_groups, r_tiles * n_split)
+    finalize_grid = (num_tokens, num_groups, cdiv(rows_p, finalize_block))
+    # A planned launch serves every layer of the step: its later layers may skip Triton's binding.
+    main = CompiledLaunch(main_fn, main_grid) if plan is not None else main_fn[main_grid]
+    finalize = (CompiledLaunch(_shrink_finalize_kernel, finalize_grid) if plan is not None
+                else _shrink_finalize_kernel[finalize_grid])
 
     def launch(x: torch.Tensor, k_buf: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """The kernels alone, for this shape: the tensors that change from layer to layer come in."""
@@ -388,21 +398,21 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
             out = torch.empty(num_groups, num_tokens, max_rank, dtype=x.dtype, device=device)
         dst = torch.empty(n_split, num_groups, num_tokens, rows_p, dtype=torch.float32, device=device) if split else out
         if not segmented:
-            _shrink_token_kernel[(num_tokens, num_groups, r_tiles * n_split)](
+            main(
                 x, x.stride(0), k_buf, k_buf.stride(0), token_adapter,
                 tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
                 dst, out.stride(0), out.stride(1),
                 num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p,
                 m0, m1, m2, **common)
         else:
-            _shrink_segment_kernel[(seg_axis, n_seq_chunks, num_groups * r_tiles * n_split)](
+            main(
                 x, x.stride(0), k_buf, k_buf.stride(0), *seg_args,
                 tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
                 dst, out.stride(0), out.stride(1),
                 num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk, r_tiles,
                 num_segments, seg_programs, m0, m1, m2, **common)
         if split:
-            _shrink_finalize_kernel[(num_tokens, num_groups, cdiv(rows_p, finalize_block))](
+            finalize(
                 dst, out, out.stride(0), out.stride(1), token_adapter, tables.ranks,
                 num_tokens, max_rank, n_split, rows_p, m0, m1, m2,
                 NUM_GROUPS=num_groups, BLOCK_R=finalize_block, num_warps=1 if finalize_block <= 64 else 4)
