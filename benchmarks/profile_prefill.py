@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(which Python functions the launch time goes to), one with each backend op's host time "
                         "and any CUDA sync reported")
     p.add_argument("--direct-launch", action="store_true",
-                   help="later layers launch their LoRA kernels direct (worker.direct_launch)")
+                   help="layers after the first launch their Triton kernels direct (worker.direct_launch)")
     p.add_argument("--out", default="prefill.txt")
     args = p.parse_args(argv)
     cfg = model_config(args.model)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [random.Random(i).randrange(args.prompt_min, args.prompt_max) for i in range(args.requests)]
     report = [f"round of {args.requests} requests, {sum(lengths)} prompt tokens, beside {args.running} running, "
               f"max_batched_tokens {args.max_batched_tokens}, {cfg.num_layers} layers"
-              + (", LoRA kernels launched direct after the first layer" if args.direct_launch else "")]
+              + (", Triton kernels launched direct after the first layer" if args.direct_launch else "")]
     for label, used in (("base", []), ("lora", names)):
         running = start_running(engine, label, used, args.running)
         prefill_round(engine, f"{label}-warm", used, args.requests, lengths)  # kernels compiled, adapters in

@@ -55,9 +55,10 @@ class EngineConfig:
     overlap_admission: bool = _doc("with overlap_steps, an admission round's step is launched ahead as well (the "
                                    "round's prompts beside the running requests' next decode tokens), so the host "
                                    "schedules and launches its eager step while the GPU finishes the step before", True)
-    direct_launch: bool = _doc("a step's layers after the first launch its LoRA shrink and expand kernels as the "
-                               "first compiled them, skipping Triton's per-call argument binding (CUDA; see "
-                               "kernels/compiled_launch.py); off until measured on the GPU", False)
+    direct_launch: bool = _doc("a step's layers after the first launch the Triton kernels (norms, rotary, KV write, "
+                               "attention, activation, LoRA shrink and expand) the first layer's calls compiled, "
+                               "skipping Triton's per-call argument binding (CUDA; kernels/compiled_launch.py); "
+                               "off until measured on the GPU", False)
     cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)
     cuda_graph_warmup_s: float = _doc("seconds a CUDA worker spends capturing decode graphs (every batch, rank and "
                                       "context bucket up to cuda_graph_max_context) before it reports ready; the "

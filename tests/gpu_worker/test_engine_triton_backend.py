@@ -2,9 +2,11 @@
 Without a GPU the kernels run in Triton's interpreter, so the case is kept small."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.gpu_worker.engine import Engine
+from services.gpu_worker.kernels import compiled_launch
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
 from shared.adapter_format import load_adapter
@@ -15,9 +17,10 @@ from shared.tiny_model import make_model
 from .oracle import make_peft_adapter
 
 
-def run(base, adapters, backend: str, device: str):
+def run(base, adapters, backend: str, device: str, direct_launch: bool = False):
     engine = Engine.from_model_dir(base, EngineConfig(device=device, num_slots=1024, max_lora_rank=16,
-                                                      max_resident_adapters=4), backend=backend)
+                                                      max_resident_adapters=4, direct_launch=direct_launch),
+                                   backend=backend)
     for name, w in adapters.items():
         engine.register_adapter(name, w)
     # "e" makes the first step's r16 segment longer than a 64-token chunk: its LoRA launches run from the
@@ -52,3 +55,30 @@ def test_triton_backend_matches_reference(tmp_path):
     for rid in ref_logits:
         for ours, ref in zip(logits[rid], ref_logits[rid]):
             assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA")
+def test_kernels_launched_direct_give_bit_for_bit_what_ordinary_launches_give(tmp_path):
+    """worker.direct_launch: every layer after the first launches the norm, rotary, KV write, attention,
+    activation and LoRA kernels its first layer compiled, skipping Triton's binding; the tokens and logits are
+    exactly those of ordinary launches."""
+    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=2)
+    cfg = ModelConfig.from_dir(base)
+    adapters = {
+        "r3": load_adapter(make_peft_adapter(base, tmp_path / "r3", 1, r=3, lora_alpha=6,
+                                             target_modules=["q_proj", "v_proj", "down_proj"]), cfg, 16),
+        "r16": load_adapter(make_peft_adapter(base, tmp_path / "r16", 2, r=16, lora_alpha=8,
+                                              target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]), cfg, 16),
+    }
+    tokens, logits = run(base, adapters, "triton", "cuda")
+    before = compiled_launch.direct_calls()
+    try:
+        direct_tokens, direct_logits = run(base, adapters, "triton", "cuda", direct_launch=True)
+    finally:
+        compiled_launch.set_enabled(False)
+    # The first step alone: its second layer's two norms, rotary, KV write, attention, activation and LoRA
+    # shrink/expand of four module groups, direct.
+    assert compiled_launch.direct_calls() - before >= 10
+    assert direct_tokens == tokens
+    for rid in logits:
+        assert all(torch.equal(a, b) for a, b in zip(direct_logits[rid], logits[rid])), rid

@@ -1,21 +1,23 @@
-"""A Triton kernel launched again, for another layer of the same step, without Triton's per-call binding.
+"""A Triton kernel launched again, for the next layer of a step, without Triton's per-call binding.
 
 `kernel[grid](*args)` binds every argument by name, works out each one's specialization (a tensor's dtype and
 16-byte alignment, an int's "is 1" and "divisible by 16"), hashes those into the compile cache's key and looks
-it up, and only then launches. For the LoRA kernels' ~40 arguments that is most of a call's ~100-150 µs of
-host time on the H200 (benchmarks/lora_launch_cost.py), and a prefill step makes 128 such calls, which must
-all be launched within the ~30 ms of the decode step running ahead of it or the GPU waits.
+it up, and only then launches: 75-130 µs of host time a call on the H200 for the norm, rotary, attention
+and activation kernels, ~100 of a LoRA shrink call's ~150 (benchmarks/lora_launch_cost.py,
+docs/results/profile_prefill_running376_r10_host.txt). A prefill step makes ~320 such calls, which must all
+be launched within the ~30 ms of the decode step running ahead of it or the GPU waits.
 
-A step's layers call each kernel with the same grid, the same ints and constexprs and only other tensors of
-the same dtypes and alignment, so the kernel the first layer's call compiled (or found) is the one every
-later call would find again. `CompiledLaunch` keeps it and launches it straight away through Triton's
-`CompiledKernel[grid]` runner once it has checked exactly that; anything else goes through `kernel[grid]`.
-Off unless `set_enabled(True)` (worker.direct_launch): a launch path is proven on the GPU before it is the
-default. Under TRITON_INTERPRET there is no compiled kernel and every call takes the ordinary path.
+A step's layers call each kernel with the same ints and constexprs and only other tensors of the same
+dtypes and alignment, so the kernel the first layer's call compiled (or found) is the one every later call
+would find again. `CompiledLaunch` keeps it and, once it has checked exactly that, launches it straight
+away through Triton's `CompiledKernel[grid]` runner; anything else goes through `kernel[grid]`. Off unless
+`set_enabled(True)` (worker.direct_launch): a launch path is proven on the GPU before it is the default.
+Under TRITON_INTERPRET there is no compiled kernel and every call takes the ordinary path.
 """
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
@@ -67,37 +69,50 @@ def _layout(fn) -> tuple[int, tuple[str, ...], dict] | None:
 _layouts: dict = {}  # kernel -> _layout(kernel)
 
 
-class CompiledLaunch:
-    """`launch(*args, **kwargs)` does what `fn[grid](*args, **kwargs)` does. `args` are every non-constexpr
-    parameter, in order; `kwargs` the constexprs and launch options (num_warps, num_stages)."""
+@dataclass
+class _Capture:
+    """One compiled kernel and the arguments that, given again, make Triton pick it again."""
 
-    def __init__(self, fn, grid: tuple[int, ...]):
+    runner_of: object  # the CompiledKernel: runner_of[grid] launches it
+    fingerprint: tuple
+    kwargs: dict
+    tail: tuple  # the constexprs' values, in parameter order, after the positional arguments
+
+
+class CompiledLaunch:
+    """`CompiledLaunch(kernel)[grid](*args, **kwargs)` launches what `kernel[grid](*args, **kwargs)` launches.
+    `args` are every non-constexpr parameter, in order; `kwargs` the constexprs and launch options
+    (num_warps, num_stages). The last few kernels a call compiled or found are kept (a launcher calls one
+    kernel in a few variants: a norm with and without the residual, shrink for q,k,v and for o)."""
+
+    KEEP = 4
+
+    def __init__(self, fn):
         self.fn = fn
-        self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.runner = None  # the compiled kernel's launcher for this grid, once a first call has compiled it
-        self.fingerprint: tuple | None = None
-        self.kwargs: dict | None = None
-        self.tail: tuple = ()  # the constexprs' values, in parameter order, after the positional arguments
+        self.captures: list[_Capture] = []
         if fn not in _layouts:
             _layouts[fn] = _layout(fn)
         self.layout = _layouts[fn]
 
-    def __call__(self, *args, **kwargs) -> None:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid, args: tuple, kwargs: dict) -> None:
         global _direct_calls
-        if self.runner is not None and _enabled and kwargs == self.kwargs and _fingerprint(args) == self.fingerprint:
-            self.runner(*args, *self.tail)
-            _direct_calls += 1
-            return
-        kernel = self.fn[self.grid](*args, **kwargs)
+        if _enabled and self.captures:
+            fingerprint = _fingerprint(args)
+            for c in self.captures:
+                if c.fingerprint == fingerprint and c.kwargs == kwargs:
+                    c.runner_of[tuple(grid) + (1,) * (3 - len(grid))](*args, *c.tail)
+                    _direct_calls += 1
+                    return
+        kernel = self.fn[grid](*args, **kwargs)
         compiled = _compiled_kernel_type()
-        # The first call's kernel is kept: a layer whose tensor happens to sit off alignment keeps the others'.
-        if not (_enabled and self.runner is None and self.layout is not None and compiled is not None
-                and isinstance(kernel, compiled)):
+        if not (_enabled and self.layout is not None and compiled is not None and isinstance(kernel, compiled)):
             return
         n_args, names, defaults = self.layout
         if len(args) != n_args or any(n not in kwargs and n not in defaults for n in names):
             return
-        self.tail = tuple(kwargs[n] if n in kwargs else defaults[n] for n in names)
-        self.kwargs = dict(kwargs)
-        self.fingerprint = _fingerprint(args)
-        self.runner = kernel[self.grid]
+        tail = tuple(kwargs[n] if n in kwargs else defaults[n] for n in names)
+        self.captures.insert(0, _Capture(kernel, _fingerprint(args), dict(kwargs), tail))
+        del self.captures[self.KEEP:]

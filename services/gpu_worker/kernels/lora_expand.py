@@ -329,7 +329,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     else:
         kernel_fn, grid = _expand_token_kernel, (num_tokens, num_groups, n_col_groups)
     # A planned launch serves every layer of the step: its later layers may skip Triton's binding.
-    kernel = CompiledLaunch(kernel_fn, grid) if plan is not None else kernel_fn[grid]
+    kernel = CompiledLaunch(kernel_fn)[grid] if plan is not None else kernel_fn[grid]
 
     def launch(y: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor) -> None:
         """The kernel alone, for this shape: the tensors that change from layer to layer come in."""

@@ -388,10 +388,10 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
         main_fn, main_grid = _shrink_token_kernel, (num_tokens, num_groups, r_tiles * n_split)
     finalize_grid = (num_tokens, num_groups, cdiv(rows_p, finalize_block))
     # A planned launch serves every layer of the step: its later layers may skip Triton's binding.
-    main = CompiledLaunch(main_fn, main_grid) if plan is not None else main_fn[main_grid]
+    main = CompiledLaunch(main_fn)[main_grid] if plan is not None else main_fn[main_grid]
     finalize = None
     if split:
-        finalize = (CompiledLaunch(_shrink_finalize_kernel, finalize_grid) if plan is not None
+        finalize = (CompiledLaunch(_shrink_finalize_kernel)[finalize_grid] if plan is not None
                     else _shrink_finalize_kernel[finalize_grid])
 
     def launch(x: torch.Tensor, k_buf: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ..ops.meta import AttnMeta
 from .checks import FLOAT_DTYPES, cdiv, check_tensor, next_pow2, num_sms, require
+from .compiled_launch import CompiledLaunch
 
 _LOG2E = 1.4426950408889634
 
@@ -120,6 +121,10 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_heads, 
              mask=d < head_dim)
 
 
+_ATTENTION = CompiledLaunch(_attention_kernel)
+_COMBINE = CompiledLaunch(_combine_kernel)
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     block_q: int  # new tokens per program (rows = block_q x padded group)
@@ -203,7 +208,7 @@ def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: A
         ml = torch.empty(num_tokens, num_heads, n_split, 2, dtype=torch.float32, device=device)
     else:
         part = ml = out
-    _attention_kernel[(num_seqs, num_kv_heads, n_q_blocks * n_split)](
+    _ATTENTION[(num_seqs, num_kv_heads, n_q_blocks * n_split)](
         q, q.stride(0), q.stride(1), k_buf, k_buf.stride(0), v_buf, v_buf.stride(0),
         meta.q_start, meta.ctx_lens, meta.slot_table, meta.slot_table.stride(0),
         out, out.stride(0), out.stride(1), part, ml,
@@ -212,7 +217,7 @@ def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: A
         EVEN_D=block_d == head_dim, SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
-        _combine_kernel[(num_tokens, num_heads)](
+        _COMBINE[(num_tokens, num_heads)](
             part, ml, out, out.stride(0), out.stride(1), num_heads, head_dim, n_split,
             SPLIT_P=max(2, next_pow2(n_split)), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 4)
     return out

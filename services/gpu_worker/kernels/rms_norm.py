@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .checks import FLOAT_DTYPES, check_tensor, next_pow2
+from .compiled_launch import CompiledLaunch
 
 
 @triton.jit
@@ -31,6 +32,9 @@ def _rms_norm_kernel(x_ptr, stride_x, res_ptr, stride_r, w_ptr, out_ptr, stride_
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_RMS_NORM = CompiledLaunch(_rms_norm_kernel)
+
+
 def _launch(x, weight, eps, residual):
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=x.device, contiguous=True)
@@ -46,7 +50,7 @@ def _launch(x, weight, eps, residual):
         res_out = torch.empty_like(out)
     if tokens:
         block = next_pow2(hidden)
-        _rms_norm_kernel[(tokens,)](x, x.stride(0), residual if residual is not None else x,
+        _RMS_NORM[(tokens,)](x, x.stride(0), residual if residual is not None else x,
                                     residual.stride(0) if residual is not None else 0, weight, out, out.stride(0),
                                     res_out, res_out.stride(0), hidden, float(eps),
                                     HAS_RESIDUAL=residual is not None, BLOCK=block,

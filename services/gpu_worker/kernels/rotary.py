@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from .checks import FLOAT_DTYPES, check_tensor, next_pow2, require
+from .compiled_launch import CompiledLaunch
 
 
 @triton.jit
@@ -33,6 +34,9 @@ def _rotary_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, pos
         tl.store(ptr + HALF, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(base.dtype.element_ty), mask=mask)
 
 
+_ROTARY = CompiledLaunch(_rotary_kernel)
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[T, Hq, hd]` and k `[T, Hkv, hd]` in place by the cos/sin rows `[max_pos, hd]` of each
@@ -49,7 +53,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
         raise ValueError(f"head_dim must be twice a power of two, got {head_dim}")
     require(cos.shape[1] == head_dim and sin.shape == cos.shape, "cos/sin must be [max_positions, head_dim]")
     if tokens:
-        _rotary_kernel[(tokens,)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, cos, sin,
+        _ROTARY[(tokens,)](q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, cos, sin,
                                   cos.stride(0), num_q_heads, k.shape[1], HALF=head_dim // 2,
                                   BLOCK_H=next_pow2(max(num_q_heads, k.shape[1])), num_warps=4)
     return q, k

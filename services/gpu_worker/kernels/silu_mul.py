@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from .checks import FLOAT_DTYPES, check_tensor
+from .compiled_launch import CompiledLaunch
 
 
 @triton.jit
@@ -20,6 +21,9 @@ def _silu_mul_kernel(gu_ptr, stride_g, out_ptr, stride_o, inter, BLOCK: tl.const
     tl.store(out_ptr + t * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_SILU_MUL = CompiledLaunch(_silu_mul_kernel)
+
+
 def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     """`[T, 2I]` (gate columns then up columns) -> `[T, I]`."""
     check_tensor("gate_up", gate_up, ndim=2, dtypes=FLOAT_DTYPES)
@@ -29,6 +33,6 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     out = torch.empty(tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     if tokens:
         block = 1024
-        _silu_mul_kernel[(tokens, triton.cdiv(intermediate, block))](gate_up, gate_up.stride(0), out, out.stride(0),
+        _SILU_MUL[(tokens, triton.cdiv(intermediate, block))](gate_up, gate_up.stride(0), out, out.stride(0),
                                                                     intermediate, BLOCK=block, num_warps=4)
     return out

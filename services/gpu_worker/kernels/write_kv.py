@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .checks import FLOAT_DTYPES, check_tensor, pow2_divisor
+from .compiled_launch import CompiledLaunch
 
 
 @triton.jit
@@ -30,6 +31,9 @@ def _write_kv_kernel(k_ptr, stride_kt, v_ptr, stride_vt, slots_ptr, k_buf_ptr, s
         v = tl.load(v_ptr + src * stride_vt + cols, mask=mask)
         tl.store(k_buf_ptr + slot * stride_kb + cols, k.to(k_buf_ptr.dtype.element_ty), mask=mask)
         tl.store(v_buf_ptr + slot * stride_vb + cols, v.to(v_buf_ptr.dtype.element_ty), mask=mask)
+
+
+_WRITE_KV = CompiledLaunch(_write_kv_kernel)
 
 
 def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -54,6 +58,6 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: t
     if block < 64:
         block = 128
     even = width % block == 0
-    _write_kv_kernel[(num_tokens, triton.cdiv(width, block))](
+    _WRITE_KV[(num_tokens, triton.cdiv(width, block))](
         k, k.stride(0), v, v.stride(0), slots, k_buf, k_buf.stride(0), v_buf, v_buf.stride(0), width,
         BLOCK=block, EVEN=even, num_warps=4 if block >= 512 else 1)
