@@ -56,6 +56,7 @@ def test_a_launch_is_direct_only_where_triton_would_specialise_the_same():
     assert _fingerprint((shifted, 7, 1)) != same
     assert _fingerprint((base.double(), 7, 1)) != same
     assert _fingerprint((base, 8, 1)) != same and _fingerprint((base, 7, 2)) != same
+    assert _fingerprint((base, 7, True)) != same and _fingerprint((base, 7, 1.0)) != same
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs where no GPU is")

@@ -47,9 +47,11 @@ def _compiled_kernel_type():
 
 
 def _fingerprint(args: tuple) -> tuple:
-    """What Triton's specialization reads of the positional arguments: ints by value, tensors by dtype,
-    device and whether their address is 16-byte aligned (never by address: that changes every layer)."""
-    return tuple((a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
+    """What Triton's specialization reads of the positional arguments, or more: tensors by dtype, device and
+    whether their address is 16-byte aligned (never by address: that changes every layer), anything else by
+    type and value (True == 1 == 1.0 in Python, but not to Triton)."""
+    return tuple((a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a.__class__, a)
+                 for a in args)
 
 
 def _layout(fn) -> tuple[int, tuple[str, ...], dict] | None:
