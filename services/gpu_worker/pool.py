@@ -76,6 +76,10 @@ class UnifiedPool:
         self.device = torch.device(device)
         # [layer, K|V, slot, width]: one allocation, so a slot's rows for all layers are one strided view.
         self.kv = torch.zeros(num_layers, 2, num_slots, slot_width, dtype=dtype, device=self.device)
+        # Each layer's K and V views, made once: an eager step asks for them ~8 times a layer, and indexing
+        # makes a new view every time (a few µs of host time each, in the launch the GPU may be waiting on).
+        self._k = [self.kv[layer, 0] for layer in range(num_layers)]
+        self._v = [self.kv[layer, 1] for layer in range(num_layers)]
         self.adapter_slots = adapter_slots
         if adapter_slots:
             self.adapter_allocator = SlotAllocator(adapter_slots)
@@ -99,10 +103,10 @@ class UnifiedPool:
         return self.num_slots - self.num_free
 
     def k(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 0]
+        return self._k[layer]
 
     def v(self, layer: int) -> torch.Tensor:
-        return self.kv[layer, 1]
+        return self._v[layer]
 
     def write_adapter_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Scatter an adapter's packed rows `[num_layers, 2, n, width]` into `slots` (n ids) of every layer."""
