@@ -38,6 +38,7 @@ def test_host_profile_times_each_op_call_of_the_launch(tmp_path):
         calls = {name: int(n) for name, n in re.findall(r"^  (\w+)\s+(\d+)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+$", section,
                                                         re.MULTILINE)}
         assert calls["attention"] == 2  # one call a layer of the tiny model
+        assert calls["linear"] >= 2 * 4  # q,k,v, o, gate,up and down of each layer
     assert "lora_shrink" not in base
     # q,k,v and o adapted: two module groups a layer, each one shrink and one expand.
     assert re.search(r"^  lora_shrink\s+4\s", lora, re.MULTILINE) and re.search(r"^  lora_expand\s+4\s", lora, re.MULTILINE)
