@@ -26,7 +26,7 @@ from shared.ports import EXIT_ADDRESS_IN_USE, free_ports
 from .launcher_children import Child, ChildFailed, stop_children
 from .launcher_commands import Topology, model_dir_of, service_commands
 from .launcher_config import LauncherConfig, parse_args
-from .launcher_redis import redis_command, redis_ping
+from .launcher_redis import redis_command, redis_log_size, redis_ping, redis_port_taken
 
 log = get_logger("launcher")
 
@@ -106,6 +106,7 @@ class Launcher:
         self.force_stop = False
         self.stop_signal: int | None = None  # the signal that asked for the stop (logged by `stop`)
         self.demo_folders: list[Path] = []
+        self.redis_log_start = 0  # where the embedded Redis's log lines of this start begin
 
     # ---- 1) prepare ------------------------------------------------------------------------------
     def device(self) -> str:
@@ -149,6 +150,7 @@ class Launcher:
         if not cfg.redis_url:
             redis_dir = self.data_dir / "redis"
             redis_dir.mkdir(exist_ok=True)
+            self.redis_log_start = redis_log_size(redis_dir)
             self.children.append(Child("redis", redis_command(redis_dir, redis_port),
                                        ready=lambda c: redis_ping(redis_url), env=env))
         commands = service_commands(cfg, topo, device, dtype, num_slots)
@@ -201,9 +203,9 @@ class Launcher:
                 self.start()
                 return
             except ChildFailed as e:
-                retry = (e.status == EXIT_ADDRESS_IN_USE and e.child != "gateway" and not self.stop_requested
-                         and attempt < PORT_ATTEMPTS)
-                if not retry:
+                taken = (e.status == EXIT_ADDRESS_IN_USE and e.child != "gateway"
+                         or e.child == "redis" and redis_port_taken(self.data_dir / "redis", self.redis_log_start))
+                if not taken or self.stop_requested or attempt == PORT_ATTEMPTS:
                     raise
                 log.warning("launcher.port_taken", child=e.child, attempt=attempt, retrying=True)
                 stop_children(list(reversed(self.children)), 15.0)

@@ -36,6 +36,25 @@ def redis_command(redis_dir: Path, port: int, appendfsync: str = "always") -> li
     ]
 
 
+def redis_log_size(redis_dir: Path) -> int:
+    try:
+        return (redis_dir / "redis.log").stat().st_size
+    except OSError:
+        return 0
+
+
+def redis_port_taken(redis_dir: Path, since: int) -> bool:
+    """Whether the embedded Redis stopped because its port was taken: it exits 1 for every failure, and says
+    which in its log (read from byte `since`, where this start's lines begin; the log outlives runs)."""
+    try:
+        with open(redis_dir / "redis.log", "rb") as f:
+            f.seek(since)
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return False
+    return "Address already in use" in text
+
+
 def redis_ping(url: str) -> bool:
     import redis
 
