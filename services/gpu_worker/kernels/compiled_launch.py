@@ -109,8 +109,10 @@ class CompiledLaunch:
                     _direct_calls += 1
                     return
         kernel = self.fn[grid](*args, **kwargs)
+        if not _enabled or self.layout is None:
+            return
         compiled = _compiled_kernel_type()
-        if not (_enabled and self.layout is not None and compiled is not None and isinstance(kernel, compiled)):
+        if compiled is None or not isinstance(kernel, compiled):
             return
         n_args, names, defaults = self.layout
         if len(args) != n_args or any(n not in kwargs and n not in defaults for n in names):
