@@ -171,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from services.gateway.service import listen_socket
+    from shared.ports import listen_socket
 
     app = build_app(svc, lifespan=lifespan)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     # Bound before serving, as the gateway does: a taken port exits with EXIT_ADDRESS_IN_USE, not 1.
-    uvicorn.Server(config).run(sockets=[listen_socket(args.host, args.port)])
+    uvicorn.Server(config).run(sockets=[listen_socket(args.host, args.port, log)])
     return 0
 
 

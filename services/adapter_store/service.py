@@ -21,7 +21,7 @@ import zmq
 
 from shared.log import configure_logging, get_logger
 from shared.model_config import ModelConfig
-from shared.ports import EXIT_ADDRESS_IN_USE, is_address_in_use
+from shared.ports import exit_if_address_in_use
 from shared.wire import (
     AcquireAdapter, DeleteAdapter, GetAdapter, ListAdapters, Message, Ping, Pong, RegisterAdapter,
     ReleaseAdapter, ReleaseWorker, StoreError, WarmAdapters, WireError, decode, encode,
@@ -230,13 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
     try:
-        service.serve()
-    except zmq.ZMQError as e:
-        if not is_address_in_use(e):
-            raise
-        # The launcher chose this port and starts again on fresh ones when it sees this status.
-        log.error("address_in_use", bind=cfg.bind, error=str(e))
-        return EXIT_ADDRESS_IN_USE
+        with exit_if_address_in_use(log, bind=cfg.bind):  # serve() binds first
+            service.serve()
     finally:
         service.close()
     return 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import uvicorn
@@ -17,7 +16,7 @@ from services.gateway.app import build_app
 from services.gateway.config import GatewayConfig
 from services.gateway.state import GatewayState
 from shared.log import configure_logging, get_logger
-from shared.ports import EXIT_ADDRESS_IN_USE, is_address_in_use
+from shared.ports import listen_socket
 
 
 class DrainingServer(uvicorn.Server):
@@ -52,7 +51,7 @@ class DrainingServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> None:
     config = GatewayConfig.from_args(argv)
     configure_logging(json=config.log_json, level=config.log_level)
-    listener = listen_socket(config.host, config.port)
+    listener = listen_socket(config.host, config.port, get_logger("gateway"))
     state = GatewayState(config)
     app = build_app(config, state)
     server = DrainingServer(
@@ -61,20 +60,3 @@ def main(argv: list[str] | None = None) -> None:
         state, config.drain_timeout_s)
     server.run(sockets=[listener])
 
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The HTTP socket, bound before anything else starts. Bound here rather than by uvicorn so that a taken
-    port ends the process with EXIT_ADDRESS_IN_USE (uvicorn exits 1 for every startup failure), which tells
-    whoever chose the port to choose another."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        if not is_address_in_use(e):
-            raise
-        get_logger("gateway").error("address_in_use", host=host, port=port, error=str(e))
-        raise SystemExit(EXIT_ADDRESS_IN_USE) from None
-    return sock

@@ -34,7 +34,7 @@ from services.scheduler.routing import plan
 from services.scheduler.waiting_queue import QueuedRequest, WaitingQueue
 from services.scheduler.workers import InFlight, WorkerState
 from shared.log import configure_logging, get_logger
-from shared.ports import EXIT_ADDRESS_IN_USE, is_address_in_use
+from shared.ports import exit_if_address_in_use
 from shared.wire import (
     AbortRequest, Assign, Ping, Pong, PrefetchHint, RequestRejected, SubmitRequest, TokenBatch, TokenOutput,
     WarmAdapters, WireError, WorkerAbort, WorkerStatus, decode, encode, tokens,
@@ -492,15 +492,9 @@ class Scheduler:
 def main(argv: list[str] | None = None) -> None:
     config = SchedulerConfig.from_args(argv)
     configure_logging(json=config.log_json, level=config.log_level)
-    try:
+    with exit_if_address_in_use(get_logger("scheduler"), gateway_bind=config.gateway_bind,
+                                worker_bind=config.worker_bind):
         scheduler = Scheduler(config)
-    except zmq.ZMQError as e:
-        if not is_address_in_use(e):
-            raise
-        # The launcher chose these ports and starts again on fresh ones when it sees this status.
-        get_logger("scheduler").error("address_in_use", gateway_bind=config.gateway_bind,
-                                      worker_bind=config.worker_bind, error=str(e))
-        raise SystemExit(EXIT_ADDRESS_IN_USE) from None
     signal.signal(signal.SIGTERM, lambda *_: scheduler.begin_drain())
     signal.signal(signal.SIGINT, lambda *_: scheduler.begin_drain())
     scheduler.run()

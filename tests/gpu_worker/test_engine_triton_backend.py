@@ -39,15 +39,20 @@ def run(base, adapters, backend: str, device: str, direct_launch: bool = False):
     return tokens, logits
 
 
-def test_triton_backend_matches_reference(tmp_path):
+def model_and_adapters(tmp_path):
+    """A tiny GQA model and two adapters of ranks 3 and 16 that between them adapt all seven modules."""
     base = make_model(tmp_path / "model", preset="tiny-gqa", seed=2)
     cfg = ModelConfig.from_dir(base)
-    adapters = {
+    return base, {
         "r3": load_adapter(make_peft_adapter(base, tmp_path / "r3", 1, r=3, lora_alpha=6,
                                              target_modules=["q_proj", "v_proj", "down_proj"]), cfg, 16),
         "r16": load_adapter(make_peft_adapter(base, tmp_path / "r16", 2, r=16, lora_alpha=8,
                                               target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]), cfg, 16),
     }
+
+
+def test_triton_backend_matches_reference(tmp_path):
+    base, adapters = model_and_adapters(tmp_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref_tokens, ref_logits = run(base, adapters, "reference", "cpu")
     tokens, logits = run(base, adapters, "triton", device)
@@ -62,14 +67,7 @@ def test_kernels_launched_direct_give_bit_for_bit_what_ordinary_launches_give(tm
     """worker.direct_launch: every layer after the first launches the norm, rotary, KV write, attention,
     activation and LoRA kernels its first layer compiled, skipping Triton's binding; the tokens and logits are
     exactly those of ordinary launches."""
-    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=2)
-    cfg = ModelConfig.from_dir(base)
-    adapters = {
-        "r3": load_adapter(make_peft_adapter(base, tmp_path / "r3", 1, r=3, lora_alpha=6,
-                                             target_modules=["q_proj", "v_proj", "down_proj"]), cfg, 16),
-        "r16": load_adapter(make_peft_adapter(base, tmp_path / "r16", 2, r=16, lora_alpha=8,
-                                              target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"]), cfg, 16),
-    }
+    base, adapters = model_and_adapters(tmp_path)
     tokens, logits = run(base, adapters, "triton", "cuda")
     before = compiled_launch.direct_calls()
     try:

@@ -30,10 +30,6 @@ def set_enabled(on: bool) -> None:
     _enabled = bool(on)
 
 
-def enabled() -> bool:
-    return _enabled
-
-
 def direct_calls() -> int:
     return _direct_calls
 
@@ -97,11 +93,13 @@ class CompiledLaunch:
         self.layout = _layouts[fn]
 
     def __getitem__(self, grid):
+        if not _enabled:
+            return self.fn[grid]  # off (the default): Triton's own launch, nothing added to it
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args: tuple, kwargs: dict) -> None:
         global _direct_calls
-        if _enabled and self.captures:
+        if self.captures:
             fingerprint = _fingerprint(args)
             for c in self.captures:
                 if c.fingerprint == fingerprint and c.kwargs == kwargs:
@@ -109,7 +107,7 @@ class CompiledLaunch:
                     _direct_calls += 1
                     return
         kernel = self.fn[grid](*args, **kwargs)
-        if not _enabled or self.layout is None:
+        if self.layout is None:
             return
         compiled = _compiled_kernel_type()
         if compiled is None or not isinstance(kernel, compiled):

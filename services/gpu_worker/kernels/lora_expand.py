@@ -20,7 +20,7 @@ from .compiled_launch import CompiledLaunch
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
-    segment_chunk, segment_launch, segment_programs_of,
+    segment_chunk, segment_form,
 )
 
 
@@ -313,19 +313,10 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     common = dict(BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if segmented:
-        longest = max_seg_len if max_seg_len is not None else num_tokens
-        chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
-        seg_programs, shared = segment_programs_of(num_segments, cfg.segment_programs, num_live, device)
-        seg_axis, n_seq_chunks, items = segment_launch(seg_programs, longest, chunk, shared, chunk_items, device)
-        common.update(BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None,
-                      HAS_LIVE=shared and num_live is not None, SHARED=shared, HAS_ITEMS=items is not None,
-                      PRECISION="ieee" if y.dtype == torch.float32 else "tf32")
-        seg_args = (seg_start, seg_adapter, token_order if token_order is not None else seg_start,
-                    num_live if num_live is not None else seg_start, items if items is not None else seg_start,
-                    items.stride(0) if items is not None else 0)
-
-    if segmented:
-        kernel_fn, grid = _expand_segment_kernel, (seg_axis, n_seq_chunks, num_groups * n_col_groups)
+        seg = segment_form(cfg, num_tokens, max_seg_len, seg_start, seg_adapter, token_order, num_live, chunk_items,
+                           y.dtype, device)
+        common.update(seg.constexprs)
+        kernel_fn, grid = _expand_segment_kernel, (seg.axis, seg.chunks, num_groups * n_col_groups)
     else:
         kernel_fn, grid = _expand_token_kernel, (num_tokens, num_groups, n_col_groups)
     # A planned launch serves every layer of the step: its later layers may skip Triton's binding.
@@ -341,9 +332,9 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
                 m0, m1, m2, d0, d1, d2, c0, c1, c2, **common)
             return
         kernel(
-            y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), *seg_args,
+            y, y.stride(0), y.stride(1), v_buf, v_buf.stride(0), *seg.args,
             tables.slots, tables.slots.stride(0), tables.ranks, tables.b_off,
-            out, out.stride(0), width, y_rank, chunk, n_col_groups, cfg.tiles_per_prog, num_segments, seg_programs,
+            out, out.stride(0), width, y_rank, seg.chunk, n_col_groups, cfg.tiles_per_prog, num_segments, seg.programs,
             m0, m1, m2, d0, d1, d2, c0, c1, c2, **common)
 
     if plan is not None:

@@ -6,6 +6,8 @@ the row lives in slot `list[first + i * n_chunks + c // W]`, column `c % W` (see
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -106,6 +108,37 @@ def segment_launch(seg_programs: int, longest: int, chunk: int, shared: bool, ch
     if n_seq_chunks > 65535:
         raise ValueError(f"max_seg_len {longest} needs {n_seq_chunks} token chunks; at most 65535")
     return seg_programs, n_seq_chunks, None
+
+
+@dataclass(frozen=True)
+class SegmentForm:
+    """What a segment-form launch of shrink or expand takes beyond its own arguments: the segment and chunk
+    axes of its grid, tokens per program, programs sharing the segments, the segment tensors in the kernels'
+    order (a stand-in where one is absent), and their constexprs."""
+
+    axis: int
+    chunks: int
+    chunk: int
+    programs: int
+    args: tuple
+    constexprs: dict
+
+
+def segment_form(cfg, num_tokens: int, max_seg_len: int | None, seg_start: torch.Tensor, seg_adapter: torch.Tensor,
+                 token_order: torch.Tensor | None, num_live: torch.Tensor | None, chunk_items, dtype: torch.dtype,
+                 device: torch.device) -> SegmentForm:
+    """`cfg`: a ShrinkConfig or ExpandConfig (chunk_tokens, segment_programs, block_m)."""
+    longest = max_seg_len if max_seg_len is not None else num_tokens
+    chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
+    programs, shared = segment_programs_of(seg_adapter.shape[0], cfg.segment_programs, num_live, device)
+    axis, chunks, items = segment_launch(programs, longest, chunk, shared, chunk_items, device)
+    args = (seg_start, seg_adapter, token_order if token_order is not None else seg_start,
+            num_live if num_live is not None else seg_start, items if items is not None else seg_start,
+            items.stride(0) if items is not None else 0)
+    constexprs = dict(BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None, HAS_LIVE=shared and num_live is not None,
+                      SHARED=shared, HAS_ITEMS=items is not None,
+                      PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    return SegmentForm(axis, chunks, chunk, programs, args, constexprs)
 
 
 def check_segments(num_tokens: int, device: torch.device, seg_start, seg_adapter, token_order) -> None:

@@ -25,7 +25,7 @@ from .compiled_launch import CompiledLaunch
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
-    segment_chunk, segment_launch, segment_programs_of,
+    segment_chunk, segment_form,
 )
 
 
@@ -370,20 +370,12 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     m0, m1, m2 = pad3(modules)
     common = dict(NUM_GROUPS=num_groups, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, ALIGNED=aligned, EVEN=even,
                   SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if segmented:
-        longest = max_seg_len if max_seg_len is not None else num_tokens
-        chunk = cfg.chunk_tokens if cfg.chunk_tokens > 0 else max(longest, 1)
-        seg_programs, shared = segment_programs_of(num_segments, cfg.segment_programs, num_live, device)
-        seg_axis, n_seq_chunks, items = segment_launch(seg_programs, longest, chunk, shared, chunk_items, device)
-        common.update(BLOCK_M=cfg.block_m, HAS_ORDER=token_order is not None,
-                      HAS_LIVE=shared and num_live is not None, SHARED=shared, HAS_ITEMS=items is not None,
-                      PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-        seg_args = (seg_start, seg_adapter, token_order if token_order is not None else seg_start,
-                    num_live if num_live is not None else seg_start, items if items is not None else seg_start,
-                    items.stride(0) if items is not None else 0)
     finalize_block = min(next_pow2(rows_p), 256)
     if segmented:
-        main_fn, main_grid = _shrink_segment_kernel, (seg_axis, n_seq_chunks, num_groups * r_tiles * n_split)
+        seg = segment_form(cfg, num_tokens, max_seg_len, seg_start, seg_adapter, token_order, num_live, chunk_items,
+                           x.dtype, device)
+        common.update(seg.constexprs)
+        main_fn, main_grid = _shrink_segment_kernel, (seg.axis, seg.chunks, num_groups * r_tiles * n_split)
     else:
         main_fn, main_grid = _shrink_token_kernel, (num_tokens, num_groups, r_tiles * n_split)
     finalize_grid = (num_tokens, num_groups, cdiv(rows_p, finalize_block))
@@ -408,11 +400,11 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
                 m0, m1, m2, **common)
         else:
             main(
-                x, x.stride(0), k_buf, k_buf.stride(0), *seg_args,
+                x, x.stride(0), k_buf, k_buf.stride(0), *seg.args,
                 tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
                 dst, out.stride(0), out.stride(1),
-                num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk, r_tiles,
-                num_segments, seg_programs, m0, m1, m2, **common)
+                num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, seg.chunk, r_tiles,
+                num_segments, seg.programs, m0, m1, m2, **common)
         if split:
             finalize(
                 dst, out, out.stride(0), out.stride(1), token_adapter, tables.ranks,
