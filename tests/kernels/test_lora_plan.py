@@ -14,6 +14,8 @@ from services.gpu_worker.ops.meta import LoraTables
 from shared.model_config import MODULES
 
 QKV, O = (0, 1, 2), (3,)
+# Compiled kernels where a GPU is, the interpreter (conftest) where none is.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def step_hints(token_adapter: torch.Tensor) -> dict:
@@ -25,27 +27,29 @@ def step_hints(token_adapter: torch.Tensor) -> dict:
 def test_layers_after_the_first_reuse_its_launch_and_match_a_fresh_one():
     layer0 = LoraPool(ALIGNED_CFG, torch.float32, seed=3)
     layer1 = LoraPool(ALIGNED_CFG, torch.float32, seed=4)  # same shapes, other rows: another layer's buffers
-    tables = layer0.tables
+    bufs = [on_device(lp) for lp in (layer0, layer1)]
+    tables = bufs[0][2]
     gen = torch.Generator().manual_seed(7)
     token_adapter = torch.cat([torch.full((90,), 0, dtype=torch.int32), torch.full((5,), -1, dtype=torch.int32),
                                torch.arange(layer0.num_adapters, dtype=torch.int32)])
     token_adapter = token_adapter[torch.randperm(token_adapter.shape[0], generator=gen)].contiguous()
+    max_rank = layer0.max_rank(token_adapter, QKV)
+    token_adapter = token_adapter.to(DEVICE)
     num_tokens = token_adapter.shape[0]
     hints = step_hints(token_adapter)
     fan_in = ALIGNED_CFG.module_dims(MODULES[0])[0]
     out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in QKV)
-    max_rank = layer0.max_rank(token_adapter, QKV)
     plan: dict = {}
     first: dict = {}
-    for lp in (layer0, layer1):
-        x = torch.randn(num_tokens, fan_in, generator=gen)
-        base = torch.randn(num_tokens, sum(out_dims), generator=gen)
-        y = lora_shrink(x, lp.k_buf, token_adapter, tables, QKV, max_rank, plan=plan, **hints)
+    for k_buf, v_buf, _ in bufs:
+        x = torch.randn(num_tokens, fan_in, generator=gen).to(DEVICE)
+        base = torch.randn(num_tokens, sum(out_dims), generator=gen).to(DEVICE)
+        y = lora_shrink(x, k_buf, token_adapter, tables, QKV, max_rank, plan=plan, **hints)
         out = base.clone()
-        lora_expand(y, lp.v_buf, token_adapter, tables, QKV, out, out_dims, plan=plan, **hints)
-        fresh_y = lora_shrink(x, lp.k_buf, token_adapter, tables, QKV, max_rank, **hints)
+        lora_expand(y, v_buf, token_adapter, tables, QKV, out, out_dims, plan=plan, **hints)
+        fresh_y = lora_shrink(x, k_buf, token_adapter, tables, QKV, max_rank, **hints)
         fresh = base.clone()
-        lora_expand(fresh_y, lp.v_buf, token_adapter, tables, QKV, fresh, out_dims, **hints)
+        lora_expand(fresh_y, v_buf, token_adapter, tables, QKV, fresh, out_dims, **hints)
         assert torch.equal(y, fresh_y) and torch.equal(out, fresh)
         assert not torch.equal(out, base)  # the step's adapters did add something
         first = first or dict(plan)
@@ -53,24 +57,25 @@ def test_layers_after_the_first_reuse_its_launch_and_match_a_fresh_one():
     assert sorted(k[0] for k in plan) == ["expand", "shrink"]
     assert all(plan[k] is first[k] for k in plan)
     # o's group is another shape: its own launch beside q,k,v's.
-    attn = torch.randn(num_tokens, ALIGNED_CFG.module_dims(MODULES[3])[0], generator=gen)
-    o_rank = layer0.max_rank(token_adapter, O)
-    y = lora_shrink(attn, layer0.k_buf, token_adapter, tables, O, o_rank, plan=plan, **hints)
-    assert torch.equal(y, lora_shrink(attn, layer0.k_buf, token_adapter, tables, O, o_rank, **hints))
+    attn = torch.randn(num_tokens, ALIGNED_CFG.module_dims(MODULES[3])[0], generator=gen).to(DEVICE)
+    o_rank = layer0.max_rank(token_adapter.cpu(), O)
+    k_buf = bufs[0][0]
+    y = lora_shrink(attn, k_buf, token_adapter, tables, O, o_rank, plan=plan, **hints)
+    assert torch.equal(y, lora_shrink(attn, k_buf, token_adapter, tables, O, o_rank, **hints))
     assert len(plan) == 3
 
 
-def to_cuda(lp: LoraPool) -> tuple[torch.Tensor, torch.Tensor, LoraTables]:
+def on_device(lp: LoraPool) -> tuple[torch.Tensor, torch.Tensor, LoraTables]:
     t = lp.tables
-    tables = LoraTables(t.slots.cuda(), t.ranks.cuda(), t.a_off.cuda(), t.b_off.cuda())
-    return lp.k_buf.cuda(), lp.v_buf.cuda(), tables
+    tables = LoraTables(*(x.to(DEVICE) for x in (t.slots, t.ranks, t.a_off, t.b_off)))
+    return lp.k_buf.to(DEVICE), lp.v_buf.to(DEVICE), tables
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_later_layers_launched_direct_match_ordinary_launches_bit_for_bit(dtype):
     layers = [LoraPool(ALIGNED_CFG, dtype, seed=s) for s in (3, 4, 5)]
-    bufs = [to_cuda(lp) for lp in layers]
+    bufs = [on_device(lp) for lp in layers]
     tables = bufs[0][2]
     gen = torch.Generator().manual_seed(11)
     token_adapter = torch.cat([torch.full((150,), 2, dtype=torch.int32), torch.full((7,), -1, dtype=torch.int32),
