@@ -145,7 +145,8 @@ def _by_label(samples: dict, name: str, label: str, **match) -> dict[str, float]
 # The workers' step counters (services/gpu_worker/step_stats.py), per kind of step.
 STEP_COUNTERS = (("steps", "loraplex_worker_steps_total"), ("seconds", "loraplex_worker_step_seconds_total"),
                  ("tokens", "loraplex_worker_step_tokens_total"),
-                 ("launch", "loraplex_worker_step_launch_seconds_total"))
+                 ("launch", "loraplex_worker_step_launch_seconds_total"),
+                 ("ahead", "loraplex_worker_steps_ahead_total"))
 
 
 class _CounterDelta:
@@ -331,6 +332,9 @@ class ServerSampler:
                          # The host's part of the mean step (None from servers before the launch counter).
                          "launch_ms": (round(1e3 * self.step_counters["launch", kind].total / steps, 3)
                                        if steps and self.step_counters["launch", kind].last else None),
+                         # Of the steps, those launched ahead of the last one's tokens (None: not reported).
+                         "ahead": (round(self.step_counters["ahead", kind].total)
+                                   if self.step_counters["ahead", kind].last else None),
                          "share": round(seconds[kind] / busy, 4) if busy else None}
         return out
 

@@ -107,6 +107,10 @@ def main() -> int:
               "eager_time_share": sum(steps["eager"]) / wall, "running_at_end": len(engine.running),
               "warmup_s": t0 - t_start, "filled_in_warmup": filled,
               "preemptions": engine.num_preemptions, "pool_slots": engine.pool.num_slots,
+              # Since the start, warm-up included: steps launched ahead of the last one's tokens, admission
+              # steps, those of them launched ahead, and places of requests ending by length they took early.
+              "lookahead_steps": engine.lookahead_steps, "admission_steps": engine.admission_steps,
+              "admissions_ahead": engine.admissions_ahead, "places_taken_ahead": engine.places_taken_ahead,
               "config": {k: v for k, v in extra.items() if v != getattr(EngineConfig, k)}}
     print(json.dumps(result), flush=True)
     with open(args.out, "a") as f:

@@ -187,6 +187,7 @@ class WorkerStatus(Message):
     step_seconds: dict[str, float] = field(default_factory=dict)
     step_tokens: dict[str, int] = field(default_factory=dict)
     step_launch_seconds: dict[str, float] = field(default_factory=dict)
+    step_ahead_counts: dict[str, int] = field(default_factory=dict)  # of the steps, those launched ahead
 
 
 @record

@@ -44,6 +44,7 @@ class SchedulerCollector:
         steps = CounterMetricFamily("loraplex_worker_steps", "Engine steps by kind (graph, decode, prefill)", labels=["worker", "kind"])
         step_seconds = CounterMetricFamily("loraplex_worker_step_seconds", "Seconds of engine steps from their scheduling until their tokens reached the host, by kind", labels=["worker", "kind"])
         step_tokens = CounterMetricFamily("loraplex_worker_step_tokens", "Tokens computed by engine steps (prompt and decode), by kind", labels=["worker", "kind"])
+        step_ahead = CounterMetricFamily("loraplex_worker_steps_ahead", "Engine steps launched before the last step's tokens reached the host (overlap_steps), by kind", labels=["worker", "kind"])
         step_launch = CounterMetricFamily("loraplex_worker_step_launch_seconds", "Seconds of engine steps from their scheduling until their last kernel was launched (the host's part), by kind", labels=["worker", "kind"])
         for worker_id, status in sorted(self.view.workers.items()):
             running.add_metric([worker_id], status.running)
@@ -56,11 +57,12 @@ class SchedulerCollector:
             load_bytes.add_metric([worker_id], status.adapter_load_bytes)
             preemptions.add_metric([worker_id], status.preemptions)
             for family, values in ((steps, status.step_counts), (step_seconds, status.step_seconds),
-                                   (step_tokens, status.step_tokens), (step_launch, status.step_launch_seconds)):
+                                   (step_tokens, status.step_tokens), (step_launch, status.step_launch_seconds),
+                                   (step_ahead, status.step_ahead_counts)):
                 for kind, value in sorted(values.items()):
                     family.add_metric([worker_id, kind], value)
         yield from (running, waiting, slots, loads, load_bytes, preemptions, steps, step_seconds, step_tokens,
-                    step_launch)
+                    step_launch, step_ahead)
         tiers = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (gpu pool, host arena, disk)", labels=["tier"])
         for tier, n in self.adapter_tiers().items():
             tiers.add_metric([tier], n)

@@ -233,6 +233,7 @@ def _workers(state: GatewayState) -> list[dict]:
                     # Since the worker started, by kind (graph-replayed decode, eager decode, prefill).
                     "steps": {kind: {"steps": n, "seconds": round(s.step_seconds.get(kind, 0.0), 3),
                                      "launch_seconds": round(s.step_launch_seconds.get(kind, 0.0), 3),
+                                     "ahead": s.step_ahead_counts.get(kind, 0),
                                      "tokens": s.step_tokens.get(kind, 0)}
                               for kind, n in sorted(s.step_counts.items())}})
     return out

@@ -23,7 +23,7 @@ from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
 from .cuda_graphs import DecodeGraphs, groups_of_modules
-from .lookahead import PENDING_TOKEN, lookahead_rows
+from .lookahead import PENDING_TOKEN, ending_by_length, lookahead_rows
 from .merge_mode import MergeMode
 from .model import LlamaModel
 from .ops import select_backend
@@ -86,7 +86,9 @@ class Engine:
         self.num_preemptions = 0
         self.step_stats = StepStats()  # steps, seconds and tokens by kind of step (step_stats.py)
         self.lookahead_steps = 0  # steps launched before the tokens of the step before reached the host
-        self.admissions_ahead = 0  # of those, steps that also admitted waiting requests (overlap_admission)
+        self.admission_steps = 0  # steps that admitted waiting requests, launched ahead or not
+        self.admissions_ahead = 0  # of those, steps launched ahead (overlap_admission)
+        self.places_taken_ahead = 0  # requests ending by length whose places such a step took early
         self._admitting = False  # an admission round is under way (see _admission_due)
 
     @classmethod
@@ -220,16 +222,22 @@ class Engine:
             return None
         started = time.perf_counter()  # an admission round's scheduling counts in the step's launch, as on the host
         seqs = [flight.samplers[i] for i in rows]
-        finishing = len(flight.samplers) - len(flight.dropped) - len(seqs)
+        ending = ending_by_length(flight, rows, set(self._deferred_aborts), self.max_model_len)
         admit = self._admitting or self._admission_due()
         if admit and not self.config.overlap_admission:
             return None
-        if not admit and self._admission_due(finishing):
-            # The round needs the places of requests ending at `flight`, held until its tokens are seen: it is
-            # scheduled on the host after them.
-            return None
+        if not admit and self._admission_due(len(flight.samplers) - len(flight.dropped) - len(seqs)):
+            # The round needs the places of requests ending at `flight`. Those ending by length are known now;
+            # one ending by a stop token or an abort is not: then the round is scheduled once `flight`'s
+            # tokens are in.
+            if not self.config.overlap_admission or not self._admission_due(len(ending)):
+                return None
+            admit = True
         if not self.pool.allocator.can_allocate(len(seqs)):
             return None
+        if admit:
+            for seq in ending:
+                self._leave_early(seq)
         for seq in seqs:
             seq.tokens.append(PENDING_TOKEN)
             self._give_slots(seq, 1)
@@ -244,7 +252,8 @@ class Engine:
         if self.device.type == "cuda":
             index = index.pin_memory().to(self.device, non_blocking=True)
         self.lookahead_steps += 1
-        return self._launch(scheduled, StepInFlight([], launched_at=started), (flight.greedy.device_ids, index))
+        return self._launch(scheduled, StepInFlight([], launched_at=started, ahead=True),
+                            (flight.greedy.device_ids, index))
 
     def finish_step(self, flight: StepInFlight) -> list[RequestOutput]:
         """Launch the next step if it can go ahead of this one's tokens (lookahead.py), then wait for this
@@ -280,7 +289,8 @@ class Engine:
                     out.finished, out.finish_reason = True, reason
                 outputs.append(out)
         if flight.kind:  # its tokens are on the host (or it sampled nothing): the step is done
-            self.step_stats.record(flight.kind, flight.launched_at, flight.num_tokens, launched=flight.launch_done_at)
+            self.step_stats.record(flight.kind, flight.launched_at, flight.num_tokens, launched=flight.launch_done_at,
+                                   ahead=flight.ahead)
         for seq in flight.dropped:
             self._release_slots(seq)
         self._ahead = ahead
@@ -325,6 +335,7 @@ class Engine:
     def _admit(self, scheduled: list[tuple[Sequence, int]], budget: int) -> list[tuple[Sequence, int]]:
         """Append to `scheduled` the waiting requests an admission round takes now, within `budget` tokens."""
         self._admitting = self._admitting or self._admission_due()
+        before = len(scheduled)
         i = 0  # position in the waiting queue
         passed = 0  # waiting requests passed over because their adapter is still on its way from the store
         while (self._admitting and i < len(self.waiting) and passed < ADMISSION_SCAN and budget > 0
@@ -375,6 +386,7 @@ class Engine:
             budget -= n
         if not self.waiting or len(self.running) >= self.config.max_running_requests:
             self._admitting = False  # the round is over: the batch is full or nobody waits
+        self.admission_steps += len(scheduled) > before
         return scheduled
 
     @property
@@ -425,6 +437,15 @@ class Engine:
         if seq.adapter is not None:
             self.adapters.release(seq.adapter.name)
             seq.adapter = None
+
+    def _leave_early(self, seq: Sequence) -> None:
+        """Give a request's place, row, slots and adapter to the round launched ahead while the step sampling
+        its last token is still in flight. That step's kernels are the last to touch them: the step ahead is
+        queued behind it on the compute stream, and an adapter copy into freed slots waits for the compute
+        stream first (adapter_copy.py). Its token still reaches the client when that step ends."""
+        self.running.remove(seq)
+        self._release_slots(seq)
+        self.places_taken_ahead += 1
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:

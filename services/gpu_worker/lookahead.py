@@ -8,9 +8,10 @@ seeing N's tokens changes N+1:
   logits buffer of a replayed graph is overwritten by N+1);
 - N ran every running request to its end (no prefill chunk left over, nobody left out by the token
   budget), so N+1 is a pure decode step over N's requests;
-- an admission round that is due takes only places free already (EngineConfig.overlap_admission): its
-  prompts join the step beside the decode rows, their tokens known to the host; a round that needs the
-  places of requests ending at N is scheduled on the host once N's tokens are in, as without it;
+- an admission round that is due (EngineConfig.overlap_admission) joins the step beside the decode rows, its
+  prompts' tokens known to the host. It may take the places of requests ending by length at N: nothing
+  after N reads their slots, and N+1 runs behind N on the stream. A round that needs the places of requests
+  ending by a stop token at N (not known before N's tokens are in) is scheduled on the host after them;
 - a request that ends by length at N, or whose abort arrived during N, is left out. One that ends by a
   stop token at N is not known yet: it runs one wasted step in N+1, whose token is dropped.
 """
@@ -43,3 +44,12 @@ def lookahead_rows(flight: StepInFlight, num_running: int, deferred_aborts: set[
     if not rows or len(rows) > max_tokens:
         return None
     return rows
+
+
+def ending_by_length(flight: StepInFlight, rows: list[int], deferred_aborts: set[str],
+                     max_model_len: int) -> list[Sequence]:
+    """Requests of `flight` not continuing into the next step because the token it samples is their last by
+    length (known on the host before the token is); aborted and already dropped ones are not among them."""
+    keep = set(rows)
+    return [s for i, s in enumerate(flight.samplers) if i not in keep and s not in flight.dropped
+            and s.request_id not in deferred_aborts and ends_by_length(s, max_model_len)]

@@ -78,6 +78,7 @@ class StepInFlight:
     launched_at: float = 0.0  # time.perf_counter() when its scheduling began (in the step before, if launched ahead)
     num_tokens: int = 0  # tokens the step computes (prompt and decode)
     launch_done_at: float = 0.0  # time.perf_counter() once its last kernel was launched
+    ahead: bool = False  # launched before the step before it had ended (lookahead.py)
     # Requests that ended (stop token) in the step before this one, which was launched before that was
     # known: their token here is dropped, and their slots are freed once this step is done with them.
     dropped: set = field(default_factory=set)

@@ -214,7 +214,7 @@ class WorkerService:
         if stats is not None:
             status.step_counts, status.step_seconds, status.step_tokens = (dict(stats.steps), dict(stats.seconds),
                                                                           dict(stats.tokens))
-            status.step_launch_seconds = dict(stats.launch)
+            status.step_launch_seconds, status.step_ahead_counts = dict(stats.launch), dict(stats.ahead)
         self._send(status)
         self.finished_ids = []
         self.last_status = now

@@ -12,6 +12,8 @@ the step before), so the kinds' seconds add up to the wall time whether steps ov
 the part of a step's seconds until its last kernel was launched: the host's scheduling, batch building and
 kernel launches, as far as they ran after the step before had ended (launched ahead, only what the previous
 step did not hide); a step whose launch takes nearly all of its time kept the GPU waiting on the host.
+`ahead` counts the steps launched before the last one's tokens reached the host: an admission step not among
+them was scheduled only once the step before had ended, its whole launch in the GPU's time.
 """
 from __future__ import annotations
 
@@ -31,11 +33,13 @@ class StepStats:
     seconds: dict[str, float] = _zeros(float)
     tokens: dict[str, int] = _zeros(int)
     launch: dict[str, float] = _zeros(float)
+    ahead: dict[str, int] = _zeros(int)  # steps launched before the last one's tokens reached the host
     last_end: float = float("-inf")  # when the last recorded step's tokens reached the host
 
     def record(self, kind: str, started: float, tokens: int, now: float | None = None,
-               launched: float | None = None) -> None:
-        """One finished step of `kind`, begun at `started` and launched by `launched` (time.perf_counter)."""
+               launched: float | None = None, ahead: bool = False) -> None:
+        """One finished step of `kind`, begun at `started` and launched by `launched` (time.perf_counter);
+        `ahead`: launched before the step before it had ended (overlap_steps)."""
         if kind not in self.steps:
             raise ValueError(f"unknown step kind {kind!r}; kinds are {', '.join(STEP_KINDS)}")
         now = time.perf_counter() if now is None else now
@@ -43,6 +47,7 @@ class StepStats:
         self.steps[kind] += 1
         self.seconds[kind] += max(0.0, now - own)
         self.tokens[kind] += tokens
+        self.ahead[kind] += ahead
         if launched is not None:
             self.launch[kind] += max(0.0, launched - own)
         self.last_end = max(self.last_end, now)

@@ -172,7 +172,8 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
     # Where the worker's time went: the server's step counters' rise, per kind of step.
     steps = report["worker_steps"]
     for kind in ("graph", "decode", "prefill"):
-        for field, name in (("steps", "loraplex_worker_steps_total"), ("tokens", "loraplex_worker_step_tokens_total")):
+        for field, name in (("steps", "loraplex_worker_steps_total"), ("tokens", "loraplex_worker_step_tokens_total"),
+                            ("ahead", "loraplex_worker_steps_ahead_total")):
             rise = metric(after, name, worker="worker-0", kind=kind) - metric(before, name, worker="worker-0", kind=kind)
             assert steps[kind][field] == rise, (kind, field)
     assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["graph"]["steps"] == 0

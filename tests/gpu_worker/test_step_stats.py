@@ -31,12 +31,13 @@ def test_a_step_launched_ahead_counts_from_the_end_of_the_step_before():
     stats = StepStats()
     stats.record("graph", started=0.0, tokens=4, now=0.030, launched=0.002)
     # Scheduled at 0.010, while the step above ran; launched by 0.045, 15 ms after that step's tokens came.
-    stats.record("prefill", started=0.010, tokens=900, now=0.120, launched=0.045)
+    stats.record("prefill", started=0.010, tokens=900, now=0.120, launched=0.045, ahead=True)
     # Launched entirely behind the prefill step: none of its launch is exposed.
-    stats.record("graph", started=0.100, tokens=4, now=0.150, launched=0.101)
+    stats.record("graph", started=0.100, tokens=4, now=0.150, launched=0.101, ahead=True)
     assert stats.seconds["prefill"] == pytest.approx(0.090) and stats.launch["prefill"] == pytest.approx(0.015)
     assert stats.seconds["graph"] == pytest.approx(0.030 + 0.030) and stats.launch["graph"] == pytest.approx(0.002)
     assert sum(stats.seconds.values()) == pytest.approx(0.150)  # the wall time, steps overlapping or not
+    assert stats.ahead == {"graph": 1, "decode": 0, "prefill": 1}
 
 
 def test_step_kind():

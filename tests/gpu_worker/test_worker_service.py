@@ -213,6 +213,9 @@ def test_status_counts_the_steps_by_kind(stack):
     # The host's part (scheduling, batch, launches) is within each kind's time; on the CPU kernels run as
     # they are launched, so it is most of it.
     assert all(0 < launch[kind] <= seconds[kind] for kind in seconds if steps[kind])
+    # Of the steps, those launched ahead of the last one's tokens: none without overlap_steps.
+    ahead = delta("step_ahead_counts")
+    assert set(ahead) == set(steps) and all(ahead[kind] == 0 for kind in ahead)
 
 
 def test_refused_requests_end_with_an_error_entry(stack):
