@@ -197,8 +197,8 @@ class DecodeGraphs:
     def run(self, seqs: list[Sequence], device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> torch.Tensor:
         """Logits `[len(seqs), vocab]` for a decode step (each request has exactly one token to run).
-        `device_tokens` = (ids, rows): the step's input tokens are `ids[rows]`, sampled on the device by the
-        step before and not yet known to the host (lookahead.py)."""
+        `device_tokens` = (ids, rows): the first len(rows) requests' input tokens are `ids[rows]`, sampled on
+        the device by the step before and not yet known to the host (lookahead.py)."""
         n = len(seqs)
         size = bucket(n, self.batch_buckets)
         adapter_ids = [s.adapter.resident_id if s.adapter is not None else None for s in seqs]
@@ -223,7 +223,9 @@ class DecodeGraphs:
         self.staged[self.turn].record()
         self.turn ^= 1
         if device_tokens is not None:
+            # The first rows.shape[0] requests continue from the step before; any after them were admitted
+            # with a one-token prompt, whose token the host staged above.
             ids, rows = device_tokens
-            self.inputs[IDS, :n].copy_(ids.index_select(0, rows))
+            self.inputs[IDS, :rows.shape[0]].copy_(ids.index_select(0, rows))
         graph.replay()
         return logits[:n]

@@ -23,7 +23,7 @@ from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
 from .cuda_graphs import DecodeGraphs, groups_of_modules
-from .lookahead import PENDING_TOKEN, ending_by_length, lookahead_rows
+from .lookahead import PENDING_TOKEN, ending_by_length, lookahead_rows, unfinished_prompts
 from .merge_mode import MergeMode
 from .model import LlamaModel
 from .ops import select_backend
@@ -212,28 +212,33 @@ class Engine:
         return flight
 
     def _launch_ahead(self, flight: StepInFlight) -> StepInFlight | None:
-        """Launch the next decode step of `flight`'s requests before `flight`'s tokens reach the host, when
-        lookahead.py finds nothing the host would decide differently once it sees them."""
+        """Launch the next step of `flight`'s requests before `flight`'s tokens reach the host, when
+        lookahead.py finds nothing the host would decide differently once it sees them: their decode rows,
+        the rest of prompts `flight` began (with overlap_admission), and an admission round that is due."""
         if not self.config.overlap_steps or self.merge is not None:
             return None
-        rows = lookahead_rows(flight, len(self.running), set(self._deferred_aborts), self.max_model_len,
-                              self.config.max_batched_tokens)
+        deferred = set(self._deferred_aborts)
+        prompts = unfinished_prompts(flight, self.running)
+        if prompts and (not self.config.overlap_admission or any(s.request_id in deferred for s in prompts)):
+            return None
+        rows = lookahead_rows(flight, len(self.running), deferred, self.max_model_len,
+                              self.config.max_batched_tokens, unfinished=len(prompts))
         if rows is None:
             return None
         started = time.perf_counter()  # an admission round's scheduling counts in the step's launch, as on the host
         seqs = [flight.samplers[i] for i in rows]
-        ending = ending_by_length(flight, rows, set(self._deferred_aborts), self.max_model_len)
-        admit = self._admitting or self._admission_due()
-        if admit and not self.config.overlap_admission:
+        ending = ending_by_length(flight, rows, deferred, self.max_model_len)
+        admit = self._round_ahead(len(flight.samplers) - len(flight.dropped) - len(seqs), len(ending))
+        if admit is None:
             return None
-        if not admit and self._admission_due(len(flight.samplers) - len(flight.dropped) - len(seqs)):
-            # The round needs the places of requests ending at `flight`. Those ending by length are known now;
-            # one ending by a stop token or an abort is not: then the round is scheduled once `flight`'s
-            # tokens are in.
-            if not self.config.overlap_admission or not self._admission_due(len(ending)):
-                return None
-            admit = True
-        if not self.pool.allocator.can_allocate(len(seqs)):
+        budget = self.config.max_batched_tokens - len(seqs)
+        chunks = []  # the prompts' next chunks, as the host's scheduler would give them after the decode rows
+        for seq in prompts:
+            if budget <= 0:
+                break
+            chunks.append((seq, min(seq.remaining, budget)))
+            budget -= chunks[-1][1]
+        if not self.pool.allocator.can_allocate(len(seqs) + sum(n for _, n in chunks)):
             return None
         if admit:
             for seq in ending:
@@ -241,19 +246,37 @@ class Engine:
         for seq in seqs:
             seq.tokens.append(PENDING_TOKEN)
             self._give_slots(seq, 1)
-        scheduled = [(seq, 1) for seq in seqs]
+        for seq, n in chunks:
+            self._give_slots(seq, n)
+        # Prompt tokens follow the decode rows, whose input tokens are still on the device: the host schedules
+        # and launches this eager step while the GPU runs `flight`, instead of after it.
+        scheduled = [(seq, 1) for seq in seqs] + chunks
         if admit:
-            # The round's prompts follow the decode rows, whose input tokens are still on the device: the
-            # host schedules and launches this eager step while the GPU runs `flight`, instead of after it.
-            self._admit(scheduled, self.config.max_batched_tokens - len(seqs))
-            if len(scheduled) > len(seqs):
-                self.admissions_ahead += 1
+            before = len(scheduled)
+            self._admit(scheduled, budget)
+            self.admissions_ahead += len(scheduled) > before
         index = torch.tensor(rows, dtype=torch.int32)
         if self.device.type == "cuda":
             index = index.pin_memory().to(self.device, non_blocking=True)
         self.lookahead_steps += 1
         return self._launch(scheduled, StepInFlight([], launched_at=started, ahead=True),
                             (flight.greedy.device_ids, index))
+
+    def _round_ahead(self, finishing: int, ending: int) -> bool | None:
+        """Whether the step launched ahead admits waiting requests; None: it cannot go ahead at all.
+        `finishing`: requests of the step in flight that do not continue; `ending`: those of them known on
+        the host to end by length, whose places the round may take early."""
+        admit = self._admitting or self._admission_due()
+        if admit and not self.config.overlap_admission:
+            return None
+        if not admit and self._admission_due(finishing):
+            # The round needs the places of requests ending at the step in flight. Those ending by length are
+            # known now; one ending by a stop token or an abort is not: then the round is scheduled once the
+            # step's tokens are in.
+            if not self.config.overlap_admission or not self._admission_due(ending):
+                return None
+            admit = True
+        return admit
 
     def finish_step(self, flight: StepInFlight) -> list[RequestOutput]:
         """Launch the next step if it can go ahead of this one's tokens (lookahead.py), then wait for this

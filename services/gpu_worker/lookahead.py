@@ -6,8 +6,9 @@ instead of leaving the GPU idle. That is only right when nothing the host would 
 seeing N's tokens changes N+1:
 - every request of N samples greedily (its token is the device argmax) and wants no logits back (the
   logits buffer of a replayed graph is overwritten by N+1);
-- N ran every running request to its end (no prefill chunk left over, nobody left out by the token
-  budget), so N+1 is a pure decode step over N's requests;
+- N ran every running request (nobody left out by the token budget), so N+1 holds N's requests: their
+  decode rows, and, where N ran only part of a prompt (chunked prefill), that prompt's next chunk, whose
+  tokens the host has (with overlap_admission, since it makes the step an eager prefill step);
 - an admission round that is due (EngineConfig.overlap_admission) joins the step beside the decode rows, its
   prompts' tokens known to the host. It may take the places of requests ending by length at N: nothing
   after N reads their slots, and N+1 runs behind N on the stream. A round that needs the places of requests
@@ -29,13 +30,14 @@ def ends_by_length(seq: Sequence, max_model_len: int) -> bool:
 
 
 def lookahead_rows(flight: StepInFlight, num_running: int, deferred_aborts: set[str], max_model_len: int,
-                   max_tokens: int) -> list[int] | None:
+                   max_tokens: int, unfinished: int = 0) -> list[int] | None:
     """Rows of `flight.samplers` that continue into the next step, or None when it must be scheduled on
-    the host after `flight`'s tokens arrive."""
+    the host after `flight`'s tokens arrive. `unfinished`: requests of `flight` whose prompt goes on (they
+    sampled nothing; unfinished_prompts)."""
     samplers = flight.samplers
-    if not samplers or flight.greedy is None or len(flight.scheduled) != len(samplers):
+    if not samplers or flight.greedy is None or len(flight.scheduled) != len(samplers) + unfinished:
         return None
-    if num_running != len(samplers) - len(flight.dropped):
+    if num_running != len(samplers) - len(flight.dropped) + unfinished:
         return None  # someone running was not in this step (token budget): let the scheduler see them
     if any(not s.req.sampling.greedy or s.req.return_logits for s in samplers):
         return None
@@ -53,3 +55,10 @@ def ending_by_length(flight: StepInFlight, rows: list[int], deferred_aborts: set
     keep = set(rows)
     return [s for i, s in enumerate(flight.samplers) if i not in keep and s not in flight.dropped
             and s.request_id not in deferred_aborts and ends_by_length(s, max_model_len)]
+
+
+def unfinished_prompts(flight: StepInFlight, running: list[Sequence]) -> list[Sequence]:
+    """Requests of `flight` whose prompt it ran only part of (they sample nothing), in the running order the
+    host's scheduler gives them their next chunk in."""
+    sampled = set(flight.samplers)
+    return [s for s in running if s in flight.scheduled and s not in sampled]
