@@ -5,12 +5,31 @@ computes them one step at a time."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+
+from bench.metrics import _by_label, parse_samples
+from services.gpu_worker.step_stats import STEP_KINDS
 
 from .conftest import Stack
 from .test_serving import BASE, complete, reference_texts, run_all
+
+
+def steps_ahead(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """Steps launched ahead per kind, summed over workers, once the gateway's view of the workers has
+    counted the served requests' steps (worker status reports arrive on their own beat)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = parse_samples(httpx.get(f"{url}/metrics", timeout=5).text)
+        ahead = {kind: sum(_by_label(samples, "loraplex_worker_steps_ahead_total", "worker", kind=kind).values())
+                 for kind in STEP_KINDS}
+        steps = sum(_by_label(samples, "loraplex_worker_steps_total", "worker", kind="prefill").values())
+        if steps >= 2 or time.monotonic() > deadline:
+            return ahead
+        time.sleep(0.2)
 
 
 def worker_command_line(stack: Stack) -> list[str]:
@@ -42,6 +61,13 @@ def test_a_stack_with_an_engine_setting_serves_what_the_unified_engine_computes(
         same = [{**requests[0], "id": m, "model": m} for m in models]
         texts = asyncio.run(run_all(stack.url, same, complete))
         assert len({texts[m][0] for m in models}) == 3
+        # The worker's counters, through the gateway's /metrics: with overlap_steps, steps (admission steps
+        # among them) went ahead of the last step's tokens; the bmm engine launches none ahead.
+        ahead = steps_ahead(stack.url)
+        if setting == "overlap_steps":
+            assert ahead["decode"] > 0 and ahead["prefill"] > 0, ahead
+        else:
+            assert ahead and not any(ahead.values()), ahead
     finally:
         stack.stop()
         stack.kill_everything()
