@@ -130,7 +130,7 @@ def parse_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in metric_samples(text)}
 
 
-def _by_label(samples: dict, name: str, label: str, **match) -> dict[str, float]:
+def by_label(samples: dict, name: str, label: str, **match) -> dict[str, float]:
     """{value of `label`: sample value} for the samples of `name` whose other labels include `match`."""
     out = {}
     for (n, labels), value in samples.items():
@@ -243,17 +243,17 @@ class ServerSampler:
             self._gpu_memory()
 
     def _record(self, samples: dict, baseline: bool) -> None:
-        slots = {kind: sum(_by_label(samples, "loraplex_pool_slots", "worker", kind=kind).values())
+        slots = {kind: sum(by_label(samples, "loraplex_pool_slots", "worker", kind=kind).values())
                  for kind in ("kv", "adapter", "free", "total")}
         values = {
             "pool_kv_slots": slots["kv"],
             "pool_adapter_slots": slots["adapter"],
             "pool_used_slots": slots["kv"] + slots["adapter"],
             "queue_depth": samples.get(("loraplex_queue_depth", ()), 0.0),
-            "running_requests": sum(_by_label(samples, "loraplex_running_requests", "worker").values()),
-            "worker_waiting_requests": sum(_by_label(samples, "loraplex_worker_waiting_requests", "worker").values()),
+            "running_requests": sum(by_label(samples, "loraplex_running_requests", "worker").values()),
+            "worker_waiting_requests": sum(by_label(samples, "loraplex_worker_waiting_requests", "worker").values()),
             "gateway_in_flight": samples.get(("loraplex_gateway_in_flight", ()), 0.0),
-            "adapters_resident_gpu": _by_label(samples, "loraplex_adapters_resident", "tier").get("gpu", 0.0),
+            "adapters_resident_gpu": by_label(samples, "loraplex_adapters_resident", "tier").get("gpu", 0.0),
             "prefill_estimate_s": samples.get(("loraplex_scheduler_prefill_estimate_seconds", ()), 0.0),
         }
         with self._lock:
@@ -268,10 +268,10 @@ class ServerSampler:
             for key, name in (("adapter_loads", "loraplex_adapter_loads_total"),
                               ("adapter_load_bytes", "loraplex_adapter_load_bytes_total"),
                               ("preemptions", "loraplex_preemptions_total")):
-                self.counters[key].update(_by_label(samples, name, "worker"), baseline)
+                self.counters[key].update(by_label(samples, name, "worker"), baseline)
             for field, name in STEP_COUNTERS:
                 for kind in STEP_KINDS:
-                    per_worker = _by_label(samples, name, "worker", kind=kind)
+                    per_worker = by_label(samples, name, "worker", kind=kind)
                     self.saw_steps |= bool(per_worker)
                     self.step_counters[field, kind].update(per_worker, baseline)
 

@@ -85,7 +85,6 @@ class Engine:
         self._order = 0
         self.num_preemptions = 0
         self.step_stats = StepStats()  # steps, seconds and tokens by kind of step (step_stats.py)
-        self.lookahead_steps = 0  # steps launched before the tokens of the step before reached the host
         self.admission_steps = 0  # steps that admitted waiting requests, launched ahead or not
         self.admissions_ahead = 0  # of those, steps launched ahead (overlap_admission)
         self.places_taken_ahead = 0  # requests ending by length whose places such a step took early
@@ -227,7 +226,8 @@ class Engine:
             return None
         started = time.perf_counter()  # an admission round's scheduling counts in the step's launch, as on the host
         seqs = [flight.samplers[i] for i in rows]
-        ending = ending_by_length(flight, rows, deferred, self.max_model_len)
+        # Places taken early go to a round, so only where someone waits.
+        ending = ending_by_length(flight, rows, deferred, self.max_model_len) if self.waiting else []
         admit = self._round_ahead(len(flight.samplers) - len(flight.dropped) - len(seqs), len(ending))
         if admit is None:
             return None
@@ -258,7 +258,6 @@ class Engine:
         index = torch.tensor(rows, dtype=torch.int32)
         if self.device.type == "cuda":
             index = index.pin_memory().to(self.device, non_blocking=True)
-        self.lookahead_steps += 1
         return self._launch(scheduled, StepInFlight([], launched_at=started, ahead=True),
                             (flight.greedy.device_ids, index))
 
@@ -411,6 +410,11 @@ class Engine:
             self._admitting = False  # the round is over: the batch is full or nobody waits
         self.admission_steps += len(scheduled) > before
         return scheduled
+
+    @property
+    def lookahead_steps(self) -> int:
+        """Steps launched before the tokens of the step before reached the host (finished ones)."""
+        return sum(self.step_stats.ahead.values())
 
     @property
     def admission_round(self) -> int:

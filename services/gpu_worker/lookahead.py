@@ -60,5 +60,7 @@ def ending_by_length(flight: StepInFlight, rows: list[int], deferred_aborts: set
 def unfinished_prompts(flight: StepInFlight, running: list[Sequence]) -> list[Sequence]:
     """Requests of `flight` whose prompt it ran only part of (they sample nothing), in the running order the
     host's scheduler gives them their next chunk in."""
+    if len(flight.scheduled) == len(flight.samplers):
+        return []  # every request of the step sampled (the usual decode step): nothing to look for
     sampled = set(flight.samplers)
     return [s for s in running if s in flight.scheduled and s not in sampled]

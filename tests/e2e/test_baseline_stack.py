@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.metrics import _by_label, parse_samples
+from bench.metrics import by_label, parse_samples
 from services.gpu_worker.step_stats import STEP_KINDS
 
 from .conftest import Stack
@@ -24,9 +24,9 @@ def steps_ahead(url: str, timeout_s: float = 10.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         samples = parse_samples(httpx.get(f"{url}/metrics", timeout=5).text)
-        ahead = {kind: sum(_by_label(samples, "loraplex_worker_steps_ahead_total", "worker", kind=kind).values())
+        ahead = {kind: sum(by_label(samples, "loraplex_worker_steps_ahead_total", "worker", kind=kind).values())
                  for kind in STEP_KINDS}
-        steps = sum(_by_label(samples, "loraplex_worker_steps_total", "worker", kind="prefill").values())
+        steps = sum(by_label(samples, "loraplex_worker_steps_total", "worker", kind="prefill").values())
         if steps >= 2 or time.monotonic() > deadline:
             return ahead
         time.sleep(0.2)
