@@ -73,3 +73,26 @@ def test_loading_an_adapter_does_not_wait_for_the_step_in_flight(tmp_path):
         torch.testing.assert_close(got, adapters[name].rows, rtol=0, atol=0)
         assert resident.tables.slots[res.resident_id, :len(res.slots)].tolist() == res.slots
         assert resident.tables.ranks[res.resident_id].tolist() == list(adapters[name].ranks)
+
+
+def test_an_adapter_crosses_the_bus_during_the_step_in_flight_and_lands_after_it(tmp_path):
+    """At n = 2000 every admission round loads adapters while the step before it still runs. Their copies
+    from host memory need not wait for that step (they write fresh device memory), so they overlap it; the
+    scatter into the pool must wait, since that step may still use the slots being overwritten."""
+    cfg = ModelConfig.from_dir(make_model(tmp_path / "model", preset="tiny-gqa", seed=1))
+    pool = UnifiedPool(cfg.num_layers, 4096, cfg.kv_dim, torch.float32, "cuda")
+    copier = SideStreamCopier(pool)
+    adapter = packed("a0", 64, cfg.kv_dim, cfg.num_layers, seed=3)
+    slots = torch.arange(100, 100 + adapter.n_slots)
+    # The step in flight: long on the GPU, and it writes the slots the adapter is about to be given (freed KV
+    # of requests that leave in this step).
+    torch.cuda._sleep(1_000_000_000)
+    pool.kv[:, :, slots.cuda()] = -1.0
+    step_done = torch.cuda.Event()
+    step_done.record()
+    read = copier.copy(slots, adapter)
+    read.synchronize()
+    assert not step_done.query(), "the host-to-device copy waited for the step in flight"
+    copier.order_before_compute()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(pool.kv[:, :, slots.cuda()].cpu(), adapter.rows, rtol=0, atol=0)
