@@ -84,10 +84,18 @@ def test_an_adapter_crosses_the_bus_during_the_step_in_flight_and_lands_after_it
     copier = SideStreamCopier(pool)
     adapter = packed("a0", 64, cfg.kv_dim, cfg.num_layers, seed=3)
     slots = torch.arange(100, 100 + adapter.n_slots)
+    on_device = slots.cuda()  # now: a copy from pageable memory queued after the sleep would wait for it
+    # As in a serving worker, the staging stream already holds blocks from an earlier load (a cudaMalloc may
+    # wait for the device whatever the stream).
+    copier.copy(slots, adapter)
+    copier.order_before_compute()
+    # A tensor, made now: assigning a Python number through an index waits for the device.
+    overwrite = torch.full(adapter.rows.shape, -1.0, device="cuda")
+    torch.cuda.synchronize()
     # The step in flight: long on the GPU, and it writes the slots the adapter is about to be given (freed KV
     # of requests that leave in this step).
     torch.cuda._sleep(1_000_000_000)
-    pool.kv[:, :, slots.cuda()] = -1.0
+    pool.kv[:, :, on_device] = overwrite
     step_done = torch.cuda.Event()
     step_done.record()
     read = copier.copy(slots, adapter)
@@ -95,4 +103,4 @@ def test_an_adapter_crosses_the_bus_during_the_step_in_flight_and_lands_after_it
     assert not step_done.query(), "the host-to-device copy waited for the step in flight"
     copier.order_before_compute()
     torch.cuda.synchronize()
-    torch.testing.assert_close(pool.kv[:, :, slots.cuda()].cpu(), adapter.rows, rtol=0, atol=0)
+    torch.testing.assert_close(pool.kv[:, :, on_device].cpu(), adapter.rows, rtol=0, atol=0)
