@@ -238,7 +238,10 @@ class Engine:
                 break
             chunks.append((seq, min(seq.remaining, budget)))
             budget -= chunks[-1][1]
-        if not self.pool.allocator.can_allocate(len(seqs) + sum(n for _, n in chunks)):
+        # Evicting unused adapters for the KV slots, as the host's scheduler would: with many adapters the
+        # pool is full of cached ones. Safe while `flight` runs: whatever this step writes into their slots
+        # queues behind it on the compute stream, and an adapter copy's scatter waits for it as well.
+        if not self.adapters.evict_until(len(seqs) + sum(n for _, n in chunks)):
             return None
         if admit:
             for seq in ending:

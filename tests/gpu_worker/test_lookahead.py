@@ -188,3 +188,32 @@ def test_a_round_takes_the_places_of_requests_ending_by_length_in_the_step_in_fl
     assert not engine.has_unfinished() and not engine._by_id
     assert engine.page_table.free_rows == 6 + 1 - engine.reserved_slots
     assert engine.pool.allocator.num_used == engine.adapters.slots_in_use + engine.reserved_slots
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_steps_go_ahead_when_kv_must_evict_cached_adapters(model_dir, device):
+    """With many adapters the pool fills with unused ones kept for later requests, and decode steps take
+    their KV slots by evicting them (n = 2000 on the H200: pool free slots at 0 for most of the point). A step
+    launched ahead evicts as the host's scheduler would, rather than falling back to waiting for the tokens
+    of the step before."""
+    warm = [EngineRequest(f"w{i}", [5, 6, 7], SamplingParams(max_tokens=1), adapter=f"a{i}") for i in range(2)]
+    rng = random.Random(7)
+    reqs = [EngineRequest(f"b{i}", [rng.randrange(3, 200) for _ in range(30)],
+                          SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(4)]
+    results = []
+    for overlap in (False, True):
+        engine = make_engine(model_dir, overlap=overlap, num_slots=256, device=device)
+        run(engine, warm)
+        cached = engine.adapters.slots_in_use
+        assert cached > 0 and engine.pool.allocator.num_used == cached  # resident, used by nobody
+        stats_before = {k: (engine.step_stats.steps[k], engine.step_stats.ahead[k]) for k in ("decode", "graph")}
+        results.append(run(engine, reqs))
+        # The base requests' KV (4 x 60 slots) exceeds what the cached adapters leave free: some were evicted.
+        assert engine.adapters.slots_in_use < cached
+        assert engine.pool.allocator.num_used == engine.adapters.slots_in_use + engine.reserved_slots
+    decode = sum(engine.step_stats.steps[k] - stats_before[k][0] for k in stats_before)
+    ahead = sum(engine.step_stats.ahead[k] - stats_before[k][1] for k in stats_before)
+    assert results[0] == results[1]
+    assert all(r["reason"] == "length" and len(r["tokens"]) == 30 for r in results[1].values())
+    # Every decode step went ahead, as where nothing is cached (the evicting ones included).
+    assert decode >= 29 and ahead == decode, (ahead, decode)
