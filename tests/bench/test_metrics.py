@@ -183,7 +183,8 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
     # The host's part of each step: from the server's launch counter, within the step's whole time.
     launch = (metric(after, "loraplex_worker_step_launch_seconds_total", worker="worker-0", kind="prefill")
               - metric(before, "loraplex_worker_step_launch_seconds_total", worker="worker-0", kind="prefill"))
-    assert steps["prefill"]["launch_ms"] == pytest.approx(1e3 * launch / steps["prefill"]["steps"], rel=1e-3)
+    # Reported to the microsecond: with steps launched ahead the launch left outside the step before is small.
+    assert steps["prefill"]["launch_ms"] == pytest.approx(1e3 * launch / steps["prefill"]["steps"], rel=1e-3, abs=1e-3)
     assert 0 < steps["prefill"]["launch_ms"] <= steps["prefill"]["mean_ms"]
     if shutil.which("nvidia-smi") is None:
         assert report["gpu_memory_used_peak_mib"] is None and report["gpu_memory_total_mib"] is None
