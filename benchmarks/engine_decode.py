@@ -93,7 +93,8 @@ def main() -> int:
         config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=args.slots, max_lora_rank=max(ranks),
                               max_running_requests=max(batches),
                               max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(batches),
-                              cuda_graph_few_adapters=few, cuda_graph_segment_programs=args.segment_programs)
+                              cuda_graph_few_adapters=few, cuda_graph_segment_programs=args.segment_programs,
+                              overlap_steps=False)  # a step's own time, as the kernels' figures are
         engine = Engine.with_dummy_weights(cfg, config)
         names = []
         for i in range(max(counts)):

@@ -30,7 +30,8 @@ def main() -> int:
     cfg = ModelConfig.from_hf(LLAMA2_7B)
     engine = Engine.with_dummy_weights(cfg, EngineConfig(device="cuda", dtype="bfloat16", num_slots=60_000,
                                                          max_lora_rank=64, max_running_requests=256,
-                                                         max_batched_tokens=8192))
+                                                         max_batched_tokens=8192,
+                                                         overlap_steps=False))  # each step's host part, unhidden
     lines = []
     for batch in (int(b) for b in args.batches.split(",")):
         for i in range(batch):

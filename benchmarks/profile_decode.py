@@ -39,7 +39,8 @@ def main() -> int:
                                                          max_lora_rank=64,
                                                          max_running_requests=args.batch, max_batched_tokens=8192,
                                                          cuda_graphs=args.graphs,
-                                                         cuda_graph_few_adapters=args.few_adapters))
+                                                         cuda_graph_few_adapters=args.few_adapters,
+                                                         overlap_steps=False))  # one step profiled at a time
     ranks = (8, 16, 32, 64)
     names = []
     for i in range(args.adapters):

@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.with_dummy_weights(cfg, EngineConfig(
         device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", num_slots=0 if cuda else 8192,
         max_lora_rank=max(RANKS), max_running_requests=args.requests + args.running,
-        max_batched_tokens=args.max_batched_tokens, direct_launch=args.direct_launch))
+        max_batched_tokens=args.max_batched_tokens, direct_launch=args.direct_launch,
+        overlap_steps=False))  # one admission step at a time, its whole launch on the host's clock
     names = [f"a{i}" for i in range(args.adapters or args.requests)]
     for i, name in enumerate(names):  # ranks mixed; by default each request of the round on its own adapter
         engine._local_adapters[name] = synthetic_adapter(name, cfg, RANKS[i % len(RANKS)],

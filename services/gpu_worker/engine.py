@@ -172,13 +172,18 @@ class Engine:
         if self._ahead is not None:
             flight, self._ahead = self._ahead, None
             flight.outputs, self._pending = self._pending, []
+            self._let_go_staged()  # with every step launched ahead, the host's scheduling below never runs
             return flight
         started = time.perf_counter()  # the step's time includes scheduling it (step_stats.py)
         scheduled = self._schedule()
-        if self.adapters.has_staged:
-            self.adapters.keep_staged({s.req.adapter for s in self.waiting if s.req.adapter})
+        self._let_go_staged()
         outputs, self._pending = self._pending, []
         return self._launch(scheduled, StepInFlight(outputs, launched_at=started))
+
+    def _let_go_staged(self) -> None:
+        """Unpin staged adapters no waiting request needs any more (theirs aborted), so the store may evict them."""
+        if self.adapters.has_staged:
+            self.adapters.keep_staged({s.req.adapter for s in self.waiting if s.req.adapter})
 
     def _launch(self, scheduled: list[tuple[Sequence, int]], flight: StepInFlight,
                 device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepInFlight:

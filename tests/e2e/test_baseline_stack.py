@@ -1,5 +1,5 @@
 """Engine settings behind the real stack: `loraplex up --set worker.lora_mode=bmm` (a baseline engine) and
-`--set worker.overlap_steps=true` (steps launched ahead, a boolean given a value) reach the worker's command
+`--set worker.overlap_steps=false` (steps launched ahead turned off, a boolean given a value) reach the worker's command
 line, and concurrent requests over adapters and the base model come back exactly as the unified engine
 computes them one step at a time."""
 from __future__ import annotations
@@ -38,7 +38,7 @@ def worker_command_line(stack: Stack) -> list[str]:
 
 
 @pytest.mark.parametrize("setting, flag, value", [("lora_mode", "--lora-mode", "bmm"),
-                                                  ("overlap_steps", "--overlap-steps", "true")])
+                                                  ("overlap_steps", "--overlap-steps", "false")])
 def test_a_stack_with_an_engine_setting_serves_what_the_unified_engine_computes(tmp_path, setting, flag, value):
     stack = Stack(tmp_path / "data", "--demo-adapters", "2", "--set", f"worker.{setting}={value}",
                   "--set", "worker.max_running_requests=8")
@@ -61,13 +61,14 @@ def test_a_stack_with_an_engine_setting_serves_what_the_unified_engine_computes(
         same = [{**requests[0], "id": m, "model": m} for m in models]
         texts = asyncio.run(run_all(stack.url, same, complete))
         assert len({texts[m][0] for m in models}) == 3
-        # The worker's counters, through the gateway's /metrics: with overlap_steps, steps (admission steps
-        # among them) went ahead of the last step's tokens; the bmm engine launches none ahead.
+        # The worker's counters, through the gateway's /metrics: with overlap_steps (the default, which the bmm
+        # engine keeps), steps (admission steps among them) went ahead of the last step's tokens; turned off,
+        # none did.
         ahead = steps_ahead(stack.url)
         if setting == "overlap_steps":
-            assert ahead["decode"] > 0 and ahead["prefill"] > 0, ahead
-        else:
             assert ahead and not any(ahead.values()), ahead
+        else:
+            assert ahead["decode"] > 0 and ahead["prefill"] > 0, ahead
     finally:
         stack.stop()
         stack.kill_everything()

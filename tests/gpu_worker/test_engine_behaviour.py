@@ -155,9 +155,10 @@ def drain_outputs(engine: Engine) -> list:
     return outputs
 
 
-def test_busy_batch_admits_waiting_requests_in_rounds(model_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_busy_batch_admits_waiting_requests_in_rounds(model_dir, overlap):
     # 16 running places, so a round is min(admission_batch, 16 // 8 = 2, queue length) requests.
-    engine = engine_for(model_dir, max_running_requests=16, admission_batch=4)
+    engine = engine_for(model_dir, max_running_requests=16, admission_batch=4, overlap_steps=overlap)
     for i in range(16):  # request i finishes after i + 2 tokens, one per step from the third step on
         engine.add_request(EngineRequest(f"run{i}", [3, 4, 5], SamplingParams(max_tokens=i + 2, ignore_eos=True)))
     for i in range(6):
@@ -168,7 +169,9 @@ def test_busy_batch_admits_waiting_requests_in_rounds(model_dir):
         running.append(len(engine.running))
     # From the second step on one request finishes per step (counted after it left); admission waits until
     # two places are free, then fills both, so the batch alternates 14 and 15 instead of staying at 15.
-    assert running[:6] == [16, 15, 14, 15, 14, 15], running
+    # Launched ahead, a round takes the places of requests ending (by length) in the step before it, so
+    # the batch is back at 16 the step a round runs.
+    assert running[:6] == ([16, 15, 16, 15, 16, 15] if overlap else [16, 15, 14, 15, 14, 15]), running
     results = drain(engine)
     assert {f"wait{i}" for i in range(6)} <= set(results) and engine.pool.allocator.num_used == 0
 
@@ -208,8 +211,9 @@ def test_admission_wait_must_be_seconds(value):
         EngineConfig(admission_wait_s=value)
 
 
-def test_admission_batch_of_one_refills_every_step(model_dir):
-    engine = engine_for(model_dir, max_running_requests=16, admission_batch=1)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_admission_batch_of_one_refills_every_step(model_dir, overlap):
+    engine = engine_for(model_dir, max_running_requests=16, admission_batch=1, overlap_steps=overlap)
     for i in range(16):
         engine.add_request(EngineRequest(f"run{i}", [3, 4, 5], SamplingParams(max_tokens=i + 2, ignore_eos=True)))
     for i in range(6):
@@ -218,7 +222,9 @@ def test_admission_batch_of_one_refills_every_step(model_dir):
     for _ in range(8):
         engine.step()
         running.append(len(engine.running))
-    assert running == [16] + [15] * 7, running  # every finished place refilled at the next step
+    # Every finished place refilled at the next step; launched ahead, in the step its request ends, until
+    # the six waiting requests are in.
+    assert running == ([16] * 7 + [15] if overlap else [16] + [15] * 7), running
 
 
 @pytest.mark.parametrize("value", [0, -3, True, 2.5])

@@ -47,8 +47,10 @@ def test_step_kind():
     assert set(STEP_KINDS) == {"graph", "decode", "prefill"}
 
 
-def test_engine_counts_a_prefill_step_then_decode_steps(tmp_path):
-    engine = Engine.from_model_dir(make_model(tmp_path / "model", preset="tiny", seed=2), EngineConfig())
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_counts_a_prefill_step_then_decode_steps(tmp_path, overlap):
+    engine = Engine.from_model_dir(make_model(tmp_path / "model", preset="tiny", seed=2),
+                                   EngineConfig(overlap_steps=overlap))
     engine.add_request(EngineRequest("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True)))
     engine.add_request(EngineRequest("b", [3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True)))
     steps = 0
@@ -62,4 +64,11 @@ def test_engine_counts_a_prefill_step_then_decode_steps(tmp_path):
     assert stats.tokens == {"graph": 0, "decode": 6, "prefill": 12}
     assert stats.seconds["graph"] == 0.0 and stats.seconds["prefill"] > 0 and stats.seconds["decode"] > 0
     # The launch is part of each step's time (on the CPU kernels run as they are launched: most of it).
-    assert all(0 < stats.launch[k] <= stats.seconds[k] for k in ("decode", "prefill"))
+    assert 0 < stats.launch["prefill"] <= stats.seconds["prefill"]
+    if overlap:
+        # Each decode step was launched (and on the CPU run) before the step before it had ended: none of
+        # its launch is left in its own time.
+        assert stats.ahead == {"graph": 0, "decode": 3, "prefill": 0} and stats.launch["decode"] == 0
+    else:
+        assert stats.ahead == {"graph": 0, "decode": 0, "prefill": 0}
+        assert 0 < stats.launch["decode"] <= stats.seconds["decode"]
