@@ -111,6 +111,7 @@ def main() -> int:
               # steps, those of them launched ahead, and places of requests ending by length they took early.
               "lookahead_steps": engine.lookahead_steps, "admission_steps": engine.admission_steps,
               "admissions_ahead": engine.admissions_ahead, "places_taken_ahead": engine.places_taken_ahead,
+              "held_back": dict(engine.held_back),  # steps not launched ahead, by why (Engine.held_back)
               "config": {k: v for k, v in extra.items() if v != getattr(EngineConfig, k)}}
     print(json.dumps(result), flush=True)
     with open(args.out, "a") as f:

@@ -8,7 +8,7 @@ of any adapters 4) forward 5) sample 6) finish and free. Requests join and leave
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Callable
 
@@ -88,6 +88,11 @@ class Engine:
         self.admission_steps = 0  # steps that admitted waiting requests, launched ahead or not
         self.admissions_ahead = 0  # of those, steps launched ahead (overlap_admission)
         self.places_taken_ahead = 0  # requests ending by length whose places such a step took early
+        # Steps that could not be launched ahead of the last one's tokens, by why (overlap_steps): "prompt" (the
+        # rest of a prompt whose request was aborted), "batch" (a request left out of the step, sampled on
+        # the host or asking for logits), "round" (a round due only once the step's tokens show who ended by
+        # a stop token), "slots" (the pool short even after evicting every unused adapter).
+        self.held_back: Counter[str] = Counter()
         self._admitting = False  # an admission round is under way (see _admission_due)
 
     @classmethod
@@ -224,10 +229,12 @@ class Engine:
         deferred = set(self._deferred_aborts)
         prompts = unfinished_prompts(flight, self.running)
         if prompts and (not self.config.overlap_admission or any(s.request_id in deferred for s in prompts)):
+            self.held_back["prompt"] += 1
             return None
         rows = lookahead_rows(flight, len(self.running), deferred, self.max_model_len,
                               self.config.max_batched_tokens, unfinished=len(prompts))
         if rows is None:
+            self.held_back["batch"] += bool(self.running)
             return None
         started = time.perf_counter()  # an admission round's scheduling counts in the step's launch, as on the host
         seqs = [flight.samplers[i] for i in rows]
@@ -235,6 +242,7 @@ class Engine:
         ending = ending_by_length(flight, rows, deferred, self.max_model_len) if self.waiting else []
         admit = self._round_ahead(len(flight.samplers) - len(flight.dropped) - len(seqs), len(ending))
         if admit is None:
+            self.held_back["round"] += 1
             return None
         budget = self.config.max_batched_tokens - len(seqs)
         chunks = []  # the prompts' next chunks, as the host's scheduler would give them after the decode rows
@@ -247,6 +255,7 @@ class Engine:
         # pool is full of cached ones. Safe while `flight` runs: whatever this step writes into their slots
         # queues behind it on the compute stream, and an adapter copy's scatter waits for it as well.
         if not self.adapters.evict_until(len(seqs) + sum(n for _, n in chunks)):
+            self.held_back["slots"] += 1
             return None
         if admit:
             for seq in ending:

@@ -82,6 +82,8 @@ def test_same_tokens_with_and_without_lookahead(model_dir, device, admission):
     ahead = run(engine, workload())
     assert engine.lookahead_steps > 10, engine.lookahead_steps
     assert (engine.admissions_ahead > 0) == admission, engine.admissions_ahead
+    # Requests sampled at a temperature (every fifth) keep their steps on the host, and say so.
+    assert engine.held_back["batch"] > 0 and not engine.held_back["slots"], engine.held_back
     assert ahead == plain
     assert engine.pool.allocator.num_used == engine.adapters.slots_in_use + engine.reserved_slots
     assert not engine.running and not engine._by_id and engine.page_table
@@ -217,3 +219,17 @@ def test_decode_steps_go_ahead_when_kv_must_evict_cached_adapters(model_dir, dev
     assert all(r["reason"] == "length" and len(r["tokens"]) == 30 for r in results[1].values())
     # Every decode step went ahead, as where nothing is cached (the evicting ones included).
     assert decode >= 29 and ahead == decode, (ahead, decode)
+    assert not engine.held_back["slots"], engine.held_back
+
+
+def test_a_step_held_back_for_slots_says_so(model_dir):
+    """Where even evicting every unused adapter leaves too few slots, the step waits for the host's
+    scheduler, which preempts; the engine counts why it was not launched ahead."""
+    rng = random.Random(8)
+    reqs = [EngineRequest(f"p{i}", [rng.randrange(3, 200) for _ in range(40)],
+                          SamplingParams(max_tokens=60, ignore_eos=True)) for i in range(3)]
+    plain = run(make_engine(model_dir, overlap=False, num_slots=256), reqs)
+    engine = make_engine(model_dir, overlap=True, num_slots=256)
+    assert run(engine, reqs) == plain
+    assert engine.num_preemptions > 0 and engine.held_back["slots"] > 0, (engine.num_preemptions, engine.held_back)
+    assert not engine.has_unfinished() and engine.pool.allocator.num_used == engine.reserved_slots
