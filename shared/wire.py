@@ -188,6 +188,8 @@ class WorkerStatus(Message):
     step_tokens: dict[str, int] = field(default_factory=dict)
     step_launch_seconds: dict[str, float] = field(default_factory=dict)
     step_ahead_counts: dict[str, int] = field(default_factory=dict)  # of the steps, those launched ahead
+    # Steps not launched ahead of the last one's tokens (overlap_steps), by why (step_stats.HELD_BACK_REASONS).
+    steps_held_back: dict[str, int] = field(default_factory=dict)
 
 
 @record

@@ -32,7 +32,7 @@ from .pool import UnifiedPool
 from .requests import EngineRequest, RequestOutput, Sequence, StepInFlight
 from .resident_adapters import ResidentAdapters
 from .sampling import GreedyTokens, finish_sampling
-from .step_stats import StepStats, step_kind
+from .step_stats import HELD_BACK_REASONS, StepStats, step_kind
 from .weights import ModelWeights, dummy_weights, load_weights
 
 log = get_logger(__name__)
@@ -92,7 +92,7 @@ class Engine:
         # rest of a prompt whose request was aborted), "batch" (a request left out of the step, sampled on
         # the host or asking for logits), "round" (a round due only once the step's tokens show who ended by
         # a stop token), "slots" (the pool short even after evicting every unused adapter).
-        self.held_back: Counter[str] = Counter()
+        self.held_back: Counter[str] = Counter()  # HELD_BACK_REASONS
         self._admitting = False  # an admission round is under way (see _admission_due)
 
     @classmethod
@@ -527,4 +527,5 @@ class Engine:
             "adapter_loads": self.adapters.loads,
             "adapter_bytes_loaded": self.adapters.bytes_loaded,
             "step_stats": self.step_stats,
+            "held_back": {reason: self.held_back[reason] for reason in HELD_BACK_REASONS},
         }

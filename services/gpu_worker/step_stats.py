@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 STEP_KINDS = ("graph", "decode", "prefill")
+# Why a step was not launched ahead of the last one's tokens (Engine.held_back; overlap_steps).
+HELD_BACK_REASONS = ("prompt", "batch", "round", "slots")
 
 
 def _zeros(kind_type):

@@ -177,6 +177,13 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
             rise = metric(after, name, worker="worker-0", kind=kind) - metric(before, name, worker="worker-0", kind=kind)
             assert steps[kind][field] == rise, (kind, field)
     assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["graph"]["steps"] == 0
+    # Steps not launched ahead, by why: the server's counters' rise, every reason reported.
+    held_back = report["worker_steps_held_back"]
+    assert set(held_back) == {"prompt", "batch", "round", "slots"}
+    for reason, n in held_back.items():
+        rise = (metric(after, "loraplex_worker_steps_held_back_total", worker="worker-0", reason=reason)
+                - metric(before, "loraplex_worker_steps_held_back_total", worker="worker-0", reason=reason))
+        assert n == rise, reason
     assert sum(s["tokens"] for s in steps.values()) == computed
     assert steps["decode"]["mean_ms"] == pytest.approx(1e3 * steps["decode"]["seconds"] / steps["decode"]["steps"], rel=1e-3)
     assert sum(s["share"] for s in steps.values()) == pytest.approx(1.0, abs=1e-3)

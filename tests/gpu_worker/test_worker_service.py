@@ -218,6 +218,9 @@ def test_status_counts_the_steps_by_kind(stack):
     # decode steps of requests still running.
     ahead = delta("step_ahead_counts")
     assert set(ahead) == set(steps) and ahead["decode"] >= 1 and all(ahead[k] <= steps[k] for k in steps)
+    # And those that were not, by why: the three requests sampled greedily and fitted the pool.
+    held_back = delta("steps_held_back")
+    assert set(held_back) == {"prompt", "batch", "round", "slots"} and held_back["slots"] == 0, held_back
 
 
 def test_refused_requests_end_with_an_error_entry(stack):
