@@ -235,7 +235,9 @@ def _workers(state: GatewayState) -> list[dict]:
                                      "launch_seconds": round(s.step_launch_seconds.get(kind, 0.0), 3),
                                      "ahead": s.step_ahead_counts.get(kind, 0),
                                      "tokens": s.step_tokens.get(kind, 0)}
-                              for kind, n in sorted(s.step_counts.items())}})
+                              for kind, n in sorted(s.step_counts.items())},
+                    # Steps not launched ahead of the last one's tokens, by why (Engine.held_back).
+                    "steps_held_back": dict(sorted(s.steps_held_back.items()))})
     return out
 
 

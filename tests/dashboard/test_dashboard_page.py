@@ -107,6 +107,12 @@ def test_dashboard_follows_traffic_and_matches_metrics(stack, page):
 def test_status_endpoint_totals_equal_metrics(stack):
     """The JSON the page draws from, checked field by field against /metrics at an idle moment."""
     with stack.client() as c:
+        # On a stack just started, the first points of the series may predate the worker's first report.
+        def pool_in_series():
+            series = c.get("/v1/status", params={"history": 30}).json()["series"]
+            return bool(series) and "worker-0" in series[-1]["pool"] or f"{len(series)} points, none with it"
+
+        wait_until(pool_in_series, 10, "the worker's pool in the series")
         status = c.get("/v1/status", params={"history": 30}).json()
     m = samples(stack)
     assert status["requests"]["total"] == metric_sum(m, "loraplex_requests_total")
@@ -116,6 +122,11 @@ def test_status_endpoint_totals_equal_metrics(stack):
     worker = {w["id"]: w for w in status["workers"]}["worker-0"]
     for kind in ("kv", "adapter", "free", "total"):
         assert worker["slots"][kind] == metric_sum(m, "loraplex_pool_slots", worker="worker-0", kind=kind)
+    for kind, steps in worker["steps"].items():
+        assert steps["ahead"] == metric_sum(m, "loraplex_worker_steps_ahead_total", worker="worker-0", kind=kind)
+    assert set(worker["steps_held_back"]) == {"prompt", "batch", "round", "slots"}
+    for reason, n in worker["steps_held_back"].items():
+        assert n == metric_sum(m, "loraplex_worker_steps_held_back_total", worker="worker-0", reason=reason)
     assert status["adapters"]["tiers"]["disk"] == status["adapters"]["registered"] >= 3
     # One point a second, oldest first, each with the pool of every worker that had reported.
     times = [p["t"] for p in status["series"]]
