@@ -50,7 +50,8 @@ class EngineConfig:
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
     overlap_steps: bool = _doc("launch the next decode step before the last step's tokens reach the host (greedy "
                                "batches), so host work hides behind the GPU; served S2 on an H200 at a batch of 384 "
-                               "ran 4-11% faster with it (n = 5, 100, 2000; docs/benchmarks.md, 2026-12-04)", True)
+                               "ran 2-11% faster with it than without (n = 100, 2000, 5; docs/benchmarks.md, "
+                               "2026-12-04)", True)
     overlap_admission: bool = _doc("with overlap_steps, an admission round's step is launched ahead as well (the "
                                    "round's prompts beside the running requests' next decode tokens), so the host "
                                    "schedules and launches its eager step while the GPU finishes the step before", True)
