@@ -89,9 +89,10 @@ class Engine:
         self.admissions_ahead = 0  # of those, steps launched ahead (overlap_admission)
         self.places_taken_ahead = 0  # requests ending by length whose places such a step took early
         # Steps that could not be launched ahead of the last one's tokens, by why (overlap_steps): "prompt" (the
-        # rest of a prompt whose request was aborted, or overlap_admission off), "batch" (a request left out of the step, sampled on
-        # the host or asking for logits), "round" (a round due only once the step's tokens show who ended by
-        # a stop token), "slots" (the pool short even after evicting every unused adapter).
+        # rest of a prompt whose request was aborted, or overlap_admission off), "batch" (a request left out
+        # of the step, sampled on the host or asking for logits, or none continuing), "round" (an admission
+        # round due with overlap_admission off, or only through the places of requests aborted while the step
+        # ran), "slots" (the pool short even after evicting every unused adapter).
         self.held_back: Counter[str] = Counter()  # HELD_BACK_REASONS
         self._admitting = False  # an admission round is under way (see _admission_due)
 

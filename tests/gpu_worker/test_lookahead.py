@@ -233,3 +233,45 @@ def test_a_step_held_back_for_slots_says_so(model_dir):
     assert run(engine, reqs) == plain
     assert engine.num_preemptions > 0 and engine.held_back["slots"] > 0, (engine.num_preemptions, engine.held_back)
     assert not engine.has_unfinished() and engine.pool.allocator.num_used == engine.reserved_slots
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_held_back_without_overlap_admission_say_why(model_dir, device):
+    """With overlap_admission off, a step carrying the rest of a prompt, or admitting a round, is scheduled
+    on the host; the engine counts each under its reason, and decode steps still go ahead."""
+    def reqs():
+        rng = random.Random(9)
+        return [EngineRequest(f"h{i}", [rng.randrange(3, 200) for _ in range(6 + 5 * (i % 3))],
+                              SamplingParams(max_tokens=3 + (5 * i) % 7, ignore_eos=True),
+                              adapter=(None, "a0", "a1")[i % 3]) for i in range(12)]
+
+    config = dict(max_running_requests=4, admission_batch=2, max_batched_tokens=12, device=device)
+    plain = run(make_engine(model_dir, overlap=False, **config), reqs())
+    engine = make_engine(model_dir, overlap=True, overlap_admission=False, **config)
+    assert run(engine, reqs()) == plain
+    assert engine.admissions_ahead == 0 and engine.lookahead_steps > 0
+    assert engine.held_back["prompt"] > 0 and engine.held_back["round"] > 0, engine.held_back
+    assert not engine.held_back["slots"], engine.held_back
+
+
+def test_a_round_due_through_an_abort_in_the_step_waits_for_its_tokens(model_dir):
+    """A full batch of two, a queue, rounds of one: a request aborted while its step runs frees its place
+    only once that step ends (its slots are still written), so a round due through it alone is not launched
+    ahead; the engine says why."""
+    engine = make_engine(model_dir, overlap=True, max_running_requests=2, admission_batch=1)
+    for i in range(2):
+        engine.add_request(EngineRequest(f"long{i}", [3 + i, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True)))
+    for _ in range(3):
+        engine.step()
+    engine.add_request(EngineRequest("queued", [6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
+    flight = engine.launch_step()
+    engine.abort("long0")  # arrives while the step runs, as from the worker's socket
+    before = engine.held_back["round"]
+    outs = engine.finish_step(flight)
+    assert engine.held_back["round"] == before + 1, engine.held_back
+    results = {}
+    for out in outs + [o for _ in range(60) if engine.has_unfinished() for o in engine.step()]:
+        results.setdefault(out.request_id, []).append(out)
+    assert results["long0"][-1].finish_reason == "abort"
+    assert results["queued"][-1].finish_reason == "length" and results["long1"][-1].finish_reason == "length"
+    assert not engine.has_unfinished() and engine.pool.allocator.num_used == engine.reserved_slots
