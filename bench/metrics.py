@@ -195,7 +195,6 @@ class ServerSampler:
         self.counters = {k: _CounterDelta() for k in ("adapter_loads", "adapter_load_bytes", "preemptions")}
         self.step_counters = {(field, kind): _CounterDelta() for field, _ in STEP_COUNTERS for kind in STEP_KINDS}
         self.held_back = {reason: _CounterDelta() for reason in HELD_BACK_REASONS}
-        self.saw_held_back = False  # servers before the counter report no worker_steps_held_back
         self.saw_steps = False  # servers without step counters (the PEFT baseline) report no worker_steps
         self.gpu_memory_used_peak_mib: float | None = None
         self.gpu_memory_total_mib: float | None = None
@@ -277,9 +276,8 @@ class ServerSampler:
                     self.saw_steps |= bool(per_worker)
                     self.step_counters[field, kind].update(per_worker, baseline)
             for reason in HELD_BACK_REASONS:
-                per_worker = by_label(samples, "loraplex_worker_steps_held_back_total", "worker", reason=reason)
-                self.saw_held_back |= bool(per_worker)
-                self.held_back[reason].update(per_worker, baseline)
+                self.held_back[reason].update(
+                    by_label(samples, "loraplex_worker_steps_held_back_total", "worker", reason=reason), baseline)
 
     def _gpu_memory(self) -> None:
         try:
@@ -316,9 +314,10 @@ class ServerSampler:
                 "prefill_estimate_peak_s": p.get("prefill_estimate_s"),
                 **{key: _int(c.total) if self.samples else None for key, c in self.counters.items()},
                 "worker_steps": self._worker_steps(),
-                # Steps not launched ahead of the last one's tokens, by why (Engine.held_back).
+                # Steps not launched ahead of the last one's tokens, by why (Engine.held_back); None from
+                # servers without the counter.
                 "worker_steps_held_back": ({reason: round(c.total) for reason, c in self.held_back.items()}
-                                           if self.saw_held_back else None),
+                                           if any(c.last for c in self.held_back.values()) else None),
                 "gpu_memory_used_peak_mib": self.gpu_memory_used_peak_mib,
                 "gpu_memory_total_mib": self.gpu_memory_total_mib,
                 "metrics_samples": self.samples,

@@ -93,7 +93,7 @@ class Engine:
         # of the step, sampled on the host or asking for logits, or none continuing), "round" (an admission
         # round due with overlap_admission off, or only through the places of requests aborted while the step
         # ran), "slots" (the pool short even after evicting every unused adapter).
-        self.held_back: Counter[str] = Counter()  # HELD_BACK_REASONS
+        self.held_back: Counter[str] = Counter(dict.fromkeys(HELD_BACK_REASONS, 0))
         self._admitting = False  # an admission round is under way (see _admission_due)
 
     @classmethod
@@ -287,9 +287,10 @@ class Engine:
         if admit and not self.config.overlap_admission:
             return None
         if not admit and self._admission_due(finishing):
-            # The round needs the places of requests ending at the step in flight. Those ending by length are
-            # known now; one ending by a stop token or an abort is not: then the round is scheduled once the
-            # step's tokens are in.
+            # The round needs the places of requests leaving at the step in flight. Those ending by length
+            # may be taken now; those aborted during it are freed only once it ends: then the round is
+            # scheduled once the step's tokens are in. (One ending by a stop token is not among `finishing`:
+            # nobody knows it yet, so it counts as continuing.)
             if not self.config.overlap_admission or not self._admission_due(ending):
                 return None
             admit = True
@@ -528,5 +529,5 @@ class Engine:
             "adapter_loads": self.adapters.loads,
             "adapter_bytes_loaded": self.adapters.bytes_loaded,
             "step_stats": self.step_stats,
-            "held_back": {reason: self.held_back[reason] for reason in HELD_BACK_REASONS},
+            "held_back": dict(self.held_back),
         }

@@ -12,7 +12,9 @@ seeing N's tokens changes N+1:
 - an admission round that is due (EngineConfig.overlap_admission) joins the step beside the decode rows, its
   prompts' tokens known to the host. It may take the places of requests ending by length at N: nothing
   after N reads their slots, and N+1 runs behind N on the stream. A round that needs the places of requests
-  ending by a stop token at N (not known before N's tokens are in) is scheduled on the host after them;
+  whose abort arrived during N is scheduled on the host once N's tokens are in (their slots are freed then);
+  one that needs the places of requests ending by a stop token at N becomes due only once N's tokens show
+  them, and goes ahead of the step after;
 - a request that ends by length at N, or whose abort arrived during N, is left out. One that ends by a
   stop token at N is not known yet: it runs one wasted step in N+1, whose token is dropped.
 """

@@ -203,7 +203,7 @@ def test_sampler_without_a_server_reports_nothing_it_did_not_see():
     report = s.report()
     assert report["metrics_samples"] == 0 and report["metrics_sample_errors"] >= 2
     assert report["adapter_loads"] is None and report["pool_kv_slots_peak"] is None and report["pool_total_slots"] is None
-    assert report["worker_steps"] is None
+    assert report["worker_steps"] is None and report["worker_steps_held_back"] is None
     assert report["newest_first_share"] is None and report["prefill_estimate_peak_s"] is None
 
 
