@@ -12,24 +12,35 @@ import httpx
 import pytest
 
 from bench.metrics import by_label, parse_samples
-from services.gpu_worker.step_stats import STEP_KINDS
+from services.gpu_worker.step_stats import HELD_BACK_REASONS, STEP_KINDS
 
 from .conftest import Stack
 from .test_serving import BASE, complete, reference_texts, run_all
 
 
-def steps_ahead(url: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """Steps launched ahead per kind, summed over workers, once the gateway's view of the workers has
-    counted the served requests' steps (worker status reports arrive on their own beat)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+def settled_steps(url: str, timeout_s: float = 20.0) -> tuple[dict[str, float], dict[str, float]]:
+    """Steps launched ahead and steps held back (by reason), summed over workers, once the gateway's view of the
+    workers has stopped moving. Worker status reports and the gateway's pings each arrive on their own beat, so a
+    reading taken right after the last response may still be one from mid-run: two equal readings a full second
+    apart (four heartbeats, two pings) mean the counts are the worker's final ones."""
+    def read() -> tuple[dict[str, float], dict[str, float], float]:
         samples = parse_samples(httpx.get(f"{url}/metrics", timeout=5).text)
         ahead = {kind: sum(by_label(samples, "loraplex_worker_steps_ahead_total", "worker", kind=kind).values())
                  for kind in STEP_KINDS}
-        steps = sum(by_label(samples, "loraplex_worker_steps_total", "worker", kind="prefill").values())
-        if steps >= 2 or time.monotonic() > deadline:
-            return ahead
-        time.sleep(0.2)
+        held = {reason: sum(by_label(samples, "loraplex_worker_steps_held_back_total", "worker",
+                                     reason=reason).values()) for reason in HELD_BACK_REASONS}
+        steps = sum(sum(by_label(samples, "loraplex_worker_steps_total", "worker", kind=kind).values())
+                    for kind in STEP_KINDS)
+        return ahead, held, steps
+
+    deadline = time.monotonic() + timeout_s
+    last = read()
+    while True:
+        time.sleep(1.0)
+        now = read()
+        if (now[2] > 0 and now == last) or time.monotonic() > deadline:
+            return now[0], now[1]
+        last = now
 
 
 def worker_command_line(stack: Stack) -> list[str]:
@@ -64,11 +75,11 @@ def test_a_stack_with_an_engine_setting_serves_what_the_unified_engine_computes(
         # The worker's counters, through the gateway's /metrics: with overlap_steps (the default, which the bmm
         # engine keeps), steps (admission steps among them) went ahead of the last step's tokens; turned off,
         # none did.
-        ahead = steps_ahead(stack.url)
+        ahead, held_back = settled_steps(stack.url)
         if setting == "overlap_steps":
-            assert ahead and not any(ahead.values()), ahead
+            assert ahead and not any(ahead.values()), (ahead, held_back)
         else:
-            assert ahead["decode"] > 0 and ahead["prefill"] > 0, ahead
+            assert ahead["decode"] > 0 and ahead["prefill"] > 0, (ahead, held_back)
     finally:
         stack.stop()
         stack.kill_everything()
