@@ -1,4 +1,5 @@
-"""Paged decode attention vs torch SDPA on contiguous KV of the same size, and one prefill point.
+"""Paged decode attention vs torch SDPA on contiguous KV of the same size, a served decode batch of mixed
+contexts, and one prefill point.
 
 Bytes: the K and V rows every sequence's context must read (B x ctx x 2 x W x 2 bytes); the pool's slots
 are a random permutation, as after a long run of allocations and frees. The batch is sized so one call
@@ -58,6 +59,51 @@ def bench_decode(model: str, contexts: list[int], dtype=torch.bfloat16, variants
             row["sdpa_gbs"] = nbytes / row["sdpa_us"] / 1e3
         rows.append(row)
         del kv, k, v
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def served_contexts(batch: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0) -> list[int]:
+    """Contexts of a served decode batch: each sequence's prompt plus the part of its output made so far, prompt
+    and output lengths uniform in their ranges (the S1/S2/S-GQA workloads), as a running batch holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(prompt_range[0], prompt_range[1] + 1, (batch,), generator=gen)
+    outputs = torch.randint(output_range[0], output_range[1] + 1, (batch,), generator=gen)
+    made = (torch.rand(batch, generator=gen) * outputs).long()
+    return (prompts + made + 1).tolist()
+
+
+def bench_decode_served(model: str, batches: list[int], dtype=torch.bfloat16, variants=None, device: str = "cuda",
+                        prompt_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512)) -> list[dict]:
+    """One decode step's attention as the engine runs it while serving: `batch` sequences of mixed contexts
+    (served_contexts) over a fragmented pool, one launch with the chosen config and each variant. No SDPA
+    column: contiguous K/V of equal lengths is not this shape."""
+    cfg = llama_config(model)
+    per_token = 2 * cfg.kv_dim * torch.empty((), dtype=dtype).element_size()
+    scale = cfg.head_dim ** -0.5
+    rows = []
+    for batch in batches:
+        ctx = served_contexts(batch, prompt_range, output_range)
+        kv, meta = paged_kv(cfg, [1] * batch, ctx, dtype, device)
+        q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+        out = torch.empty_like(q)
+        nbytes = sum(ctx) * per_token
+        default = choose_attention_config(meta, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
+                                          q.device)
+        row = {"model": model, "batch": batch, "context_mean": sum(ctx) / batch, "context_max": max(ctx),
+               "kv_bytes": nbytes, "config": repr(default)}
+        row["ours_us"] = time_graph(lambda: kernels.attention(q, kv[0], kv[1], meta, scale, out=out)) * 1e3
+        want = kernels.attention(q, kv[0], kv[1], meta, scale)
+        for name, config in (variants(default) if variants else {}).items():
+            got = kernels.attention(q, kv[0], kv[1], meta, scale, config=config)
+            # A variant only reshapes the launch: its output must be the default's up to summation order.
+            row[f"ours_{name}_max_diff"] = float((got.float() - want.float()).abs().max())
+            row[f"ours_{name}_us"] = time_graph(
+                lambda: kernels.attention(q, kv[0], kv[1], meta, scale, out=out, config=config)) * 1e3
+        row["ours_gbs"] = nbytes / row["ours_us"] / 1e3
+        rows.append(row)
+        del kv
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows

@@ -66,7 +66,16 @@ def main() -> None:
     def attention_variants(c):
         return {"block_n 64": replace(c, block_n=64), "stages 2": replace(c, num_stages=2),
                 "split x2": replace(c, n_split=c.n_split * 2), "split /2": replace(c, n_split=max(1, c.n_split // 2)),
-                "warps 8": replace(c, num_warps=8)}
+                "warps 8": replace(c, num_warps=8), "heads first": replace(c, heads_first=True),
+                "heads first split /2": replace(c, heads_first=True, n_split=max(1, c.n_split // 2))}
+
+    def served_variants(c):
+        # Programs of a served step walk ~400 tokens each: smaller blocks keep two or more programs resident
+        # on a multiprocessor, so one's first loads overlap another's last.
+        return {"block_n 64": replace(c, block_n=64), "block_n 64 stages 4": replace(c, block_n=64, num_stages=4),
+                "block_n 32 stages 4": replace(c, block_n=32, num_stages=4),
+                "block_n 64 warps 2": replace(c, block_n=64, num_warps=2), "heads first": replace(c, heads_first=True),
+                "heads first block_n 64": replace(c, heads_first=True, block_n=64)}
 
     sections = {
         "ceilings": lambda: {"copy_gbs": ceilings.copy_bandwidth_gbs(), "matmul_tflops": ceilings.matmul_tflops()},
@@ -87,6 +96,12 @@ def main() -> None:
                               for r in bench_attention.bench_decode(m, contexts, dtype, attention_variants,
                                                                     device=device,
                                                                     min_bytes=1 if smoke else 256 << 20)],
+        "attention_served": lambda: [r for m, bs in ((big, [4] if smoke else [256, 384]),
+                                                    (gqa, [4] if smoke else [256, 512]))
+                                     for r in bench_attention.bench_decode_served(
+                                         m, bs, dtype, served_variants, device=device,
+                                         prompt_range=(4, 20) if smoke else (8, 512),
+                                         output_range=(4, 20) if smoke else (8, 512))],
         "prefill": lambda: [bench_attention.bench_prefill(m, 2 if smoke else 4, 20 if smoke else 2048, dtype, device)
                             for m in (big, gqa)],
     }
@@ -94,7 +109,7 @@ def main() -> None:
         sections.pop("ceilings")
     only = [s for s in args.only.split(",") if s]
     # Headline numbers first, so a run cut short still has them.
-    order = ["ceilings", "correctness", "attention", "lora", "prefill", "lora_sweep"]
+    order = ["ceilings", "correctness", "attention", "attention_served", "lora", "prefill", "lora_sweep"]
     for name in order:
         fn = sections.get(name)
         if fn is None or (only and name not in only):

@@ -38,9 +38,10 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # graph's empty segment programs cost. "ci" (exact plans) launches one program per chunk of a long segment
 # that holds tokens, from the step's chunk list, as the engine's eager steps do (lora_groups.ChunkItems);
 # without it every segment gets the longest one's chunk count.
-# Each kernel's launch shape can be changed on its own. Expand: "emN" N-row tiles, "nN" N-column tiles, "rN" N
-# rank rows a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles walked by one program. Shrink: "skN" N-input tiles, "sxN" the
-# inputs split N ways, "srN" N rank columns a dot, "swN" N warps, "ssN" N pipeline stages.
+# Each kernel's launch shape can be changed on its own. Expand: "cf" programs in column-tile order, "emN" N-row
+# tiles, "nN" N-column tiles, "rN" N rank rows a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles
+# walked by one program. Shrink: "skN" N-input tiles, "sxN" the inputs split N ways, "srN" N rank columns a dot,
+# "swN" N warps, "ssN" N pipeline stages.
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
 # the inputs in other splits and orders, so bf16 results differ by rounding only.
 RESULT_TOLERANCE = 2e-2
@@ -51,8 +52,8 @@ PLANS = ("bound", "bound live 4", "bound live 8", "bound live 16", "bound live 3
 # "p128" ones share a many-adapter step's segments among 128 programs), then an eager step's exact segments.
 SHAPE_PLANS = ("bound", "bound t1", "bound r16", "bound t4", "bound w2", "bound r16 w2", "bound n64", "bound n64 t4",
                "bound sw8", "bound sw2", "bound sk64", "bound sk256", "bound sx2", "bound sr16", "bound ss1",
-               "bound ss3", "bound live 128 p128 t2", "bound live 256 p128 t2", "exact", "exact t2", "exact r16 t2",
-               "exact sw8")
+               "bound ss3", "bound live 128 p128 t2", "bound live 256 p128 t2", "bound cf", "bound cf t1", "bound cf t4",
+               "bound cf n64 t4", "exact", "exact t2", "exact r16 t2", "exact sw8", "exact cf", "exact cf t2")
 EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog"}
 SHRINK_WORDS = {"sk": "block_k", "sx": "n_split", "sr": "block_r", "sw": "num_warps", "ss": "num_stages"}
 
@@ -83,6 +84,8 @@ class Plan:
                 fields["programs"] = int(word[1:])
             elif word == "ci":
                 fields["chunk_items"] = True
+            elif word == "cf":  # expand's programs in column-tile order
+                fields["expand"] = fields.get("expand", ()) + (("cols_first", True),)
             elif word[:2] == "em" and word[2:].isdigit():  # expand's row tiles alone ("mN" sets both kernels')
                 fields["expand"] = fields.get("expand", ()) + (("block_m", int(word[2:])),)
             elif word[:2] in SHRINK_WORDS and word[2:].isdigit():

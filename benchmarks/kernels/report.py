@@ -52,6 +52,17 @@ def write_tables(res: dict) -> str:
         parts.append(_table(["model", "batch", "form", "op", "variant", "µs", "GB/s", "config"],
                             [[r["model"], r["batch"], r["form"], r["op"], r["variant"], _f(r["us"]),
                               _f(r["gbs"], "{:.0f}"), r["config"]] for r in res["lora_sweep"]]))
+    if "attention_served" in res:
+        rows = []
+        for r in res["attention_served"]:
+            pct = 100 * r["ours_gbs"] / hbm if hbm else None
+            variants = ", ".join(f"{k[5:-3]} {v:.1f}" for k, v in r.items()
+                                 if k.startswith("ours_") and k.endswith("_us") and k != "ours_us")
+            rows.append([r["model"], r["batch"], _f(r["context_mean"], "{:.0f}"), r["context_max"],
+                         _f(r["kv_bytes"] / 1e6, "{:.0f}"), _f(r["ours_us"]), _f(r["ours_gbs"], "{:.0f}"),
+                         _f(pct, "{:.0f}%"), variants or "-"])
+        parts.append(_table(["model", "batch", "mean context", "longest", "KV MB", "ours µs", "ours GB/s", "% HBM",
+                             "variants (µs)"], rows))
     if "attention" in res:
         rows = []
         for r in res["attention"]:

@@ -52,6 +52,7 @@ def test_plans_are_read_from_their_words():
     assert Plan.parse("exact") == Plan(exact=True)
     assert Plan.parse("exact ci t2") == Plan(exact=True, chunk_items=True, expand=(("tiles_per_prog", 2),))
     assert Plan.parse("bound n256 w8") == Plan(exact=False, expand=(("block_n", 256), ("num_warps", 8)))
+    assert Plan.parse("bound cf t4") == Plan(exact=False, expand=(("cols_first", True), ("tiles_per_prog", 4)))
     # Two-letter shrink words before expand's one-letter ones: "ss3" is shrink's stages, "s3" expand's.
     assert Plan.parse("exact ss3 s1 sx2") == Plan(exact=True, expand=(("num_stages", 1),),
                                                    shrink=(("num_stages", 3), ("n_split", 2)))

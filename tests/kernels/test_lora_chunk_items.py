@@ -46,10 +46,11 @@ def test_the_chunk_list_names_every_chunk_that_holds_tokens_once():
     assert "chunk_items" not in grouped(token_adapter, with_items=False)[0].kwargs()
 
 
-@pytest.mark.parametrize("tiles", [1, 2], ids=["one-tile", "two-tile"])
+@pytest.mark.parametrize("tiles, cols_first", [(1, False), (2, False), (2, True)],
+                         ids=["one-tile", "two-tile", "two-tile-cols-first"])
 @pytest.mark.parametrize("n_split", [1, 3], ids=["whole-input", "split-input"])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_shrink_and_expand_over_the_chunk_list_equal_the_full_launch(n_split, block_m, tiles):
+def test_shrink_and_expand_over_the_chunk_list_equal_the_full_launch(n_split, block_m, tiles, cols_first):
     lp = LoraPool(ALIGNED_CFG, torch.float32, seed=5)
     gen = torch.Generator().manual_seed(6)
     token_adapter = admission_step(gen)
@@ -62,7 +63,7 @@ def test_shrink_and_expand_over_the_chunk_list_equal_the_full_launch(n_split, bl
     shrink_cfg = ShrinkConfig(block_r=16, block_k=16, n_split=n_split, block_m=block_m,
                               chunk_tokens=PREFILL_CHUNK_TOKENS)
     expand_cfg = ExpandConfig(block_r=16, block_n=16, block_m=block_m, chunk_tokens=PREFILL_CHUNK_TOKENS,
-                              tiles_per_prog=tiles)
+                              tiles_per_prog=tiles, cols_first=cols_first)
     results = {}
     for with_items in (False, True):
         _, kwargs = grouped(token_adapter, with_items)

@@ -93,6 +93,30 @@ def test_expand_segments_shared_out_among_fewer_programs(form, with_live):
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=29, config=config, with_live=with_live)
 
 
+@pytest.mark.parametrize("form, programs", [("token", 0), ("grouped", 0), ("grouped", 2), ("segments", 0)])
+def test_expand_launched_column_tile_first_adds_the_same_bits(form, programs):
+    # Only the order programs start in changes: every program still owns its tiles and sums its rank rows in the
+    # same order, so the outputs agree bit for bit (also with the segments shared out among fewer programs).
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=37)
+    gen = torch.Generator().manual_seed(38)
+    token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
+    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in GROUPS["qkv"])
+    max_rank = lp.max_rank(token_adapter, GROUPS["qkv"])
+    y = torch.randn(3, token_adapter.shape[0], max_rank, generator=gen)
+    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
+    outs = []
+    for first in (False, True):
+        config = ExpandConfig(block_r=16, block_n=16, tiles_per_prog=2, chunk_tokens=16 if form == "segments" else 0,
+                              segment_programs=programs, cols_first=first)
+        out = base.clone()
+        lora_expand(y, lp.v_buf, token_adapter, lp.tables, GROUPS["qkv"], out, out_dims, config=config, **kwargs)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = base.clone()
+    reference.lora_expand(y, lp.v_buf, token_adapter, lp.tables, GROUPS["qkv"], ref, out_dims)
+    assert_matches(outs[1] - base, ref - base, torch.float32)
+
+
 def test_a_graphs_launch_walks_two_column_tiles_a_program():
     from services.gpu_worker.kernels.lora_expand import choose_expand_config
 

@@ -15,7 +15,9 @@ import triton
 import triton.language as tl
 
 from ..ops.meta import LoraTables
-from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
+from .checks import (
+    FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor, require,
+)
 from .compiled_launch import CompiledLaunch
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
@@ -33,11 +35,14 @@ def _expand_token_kernel(
     out_ptr, stride_ot, W, y_rank, tiles_per_prog,
     M0, M1, M2, D0, D1, D2, C0, C1, C2,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
+    COLS_FIRST: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    g = tl.program_id(1)
+    if COLS_FIRST:
+        col_pid, g, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        t, g, col_pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     out_dim = module_slot(g, D0, D1, D2)
-    n_lo = tl.program_id(2) * tiles_per_prog * BLOCK_N
+    n_lo = col_pid * tiles_per_prog * BLOCK_N
     a = tl.load(token_adapter_ptr + t)
     if (a < 0) | (n_lo >= out_dim):
         return
@@ -81,11 +86,15 @@ def _expand_segment_kernel(
     M0, M1, M2, D0, D1, D2, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr,
-    SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr,
+    SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr, COLS_FIRST: tl.constexpr,
 ):
-    g = tl.program_id(2) // n_col_groups
+    if COLS_FIRST:
+        col_pid, seg_pid = tl.program_id(0), tl.program_id(2)
+    else:
+        seg_pid, col_pid = tl.program_id(0), tl.program_id(2)
+    g = col_pid // n_col_groups
     out_dim = module_slot(g, D0, D1, D2)
-    n_lo = (tl.program_id(2) % n_col_groups) * tiles_per_prog * BLOCK_N
+    n_lo = (col_pid % n_col_groups) * tiles_per_prog * BLOCK_N
     if n_lo >= out_dim:
         return
     m = module_slot(g, M0, M1, M2)
@@ -95,7 +104,7 @@ def _expand_segment_kernel(
         n_seg = num_segments
         if HAS_LIVE:
             n_seg = tl.load(live_ptr)
-        for s in range(tl.program_id(0), n_seg, seg_programs):
+        for s in range(seg_pid, n_seg, seg_programs):
             a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, tl.program_id(1), m,
                                                 y_rank, chunk_tokens)
             if (rank > 0) & (p_lo < p_hi):
@@ -104,7 +113,7 @@ def _expand_segment_kernel(
                                 n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
                                 PRECISION)
     else:
-        s, chunk = segment_chunk(items_ptr, stride_items, HAS_ITEMS)
+        s, chunk = segment_chunk(items_ptr, stride_items, seg_pid, tl.program_id(1), HAS_ITEMS)
         a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank,
                                             chunk_tokens)
         if (rank == 0) | (p_lo >= p_hi):
@@ -180,6 +189,10 @@ class ExpandConfig:
     block_m: int = 16  # segment form only
     chunk_tokens: int = 0  # segment form: tokens per program (0 = whole segment)
     segment_programs: int = 0  # segment form: programs that share the segments out (0 = one per segment)
+    # Programs launched in order of column tile (then module, then segment or token) rather than segment
+    # first: programs running side by side then read neighbouring 256-byte pieces of the same adapter rows
+    # instead of one piece from each of many adapters' rows.
+    cols_first: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
@@ -310,15 +323,21 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     d0, d1, d2 = pad3(out_dims)
     col_start = [sum(out_dims[:g]) for g in range(num_groups)]
     c0, c1, c2 = pad3(tuple(col_start))
-    common = dict(BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
+    common = dict(BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even, COLS_FIRST=cfg.cols_first,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if segmented:
         seg = segment_form(cfg, num_tokens, max_seg_len, seg_start, seg_adapter, token_order, num_live, chunk_items,
                            y.dtype, device)
         common.update(seg.constexprs)
-        kernel_fn, grid = _expand_segment_kernel, (seg.axis, seg.chunks, num_groups * n_col_groups)
+        grid = (seg.axis, seg.chunks, num_groups * n_col_groups)
+        kernel_fn = _expand_segment_kernel
     else:
-        kernel_fn, grid = _expand_token_kernel, (num_tokens, num_groups, n_col_groups)
+        grid = (num_tokens, num_groups, n_col_groups)
+        kernel_fn = _expand_token_kernel
+    if cfg.cols_first:
+        # The grid's last axis holds at most 65535 programs: segments or tokens go there only as far as that.
+        require(grid[0] <= 65535, f"cols_first: {grid[0]} segments or tokens exceed the grid's last axis")
+        grid = (grid[2], grid[1], grid[0])
     # A planned launch serves every layer of the step: its later layers may skip Triton's binding.
     kernel = CompiledLaunch(kernel_fn)[grid] if plan is not None else kernel_fn[grid]
 

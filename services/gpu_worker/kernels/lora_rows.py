@@ -43,15 +43,16 @@ def load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, c0, 
 
 
 @triton.jit
-def segment_chunk(items_ptr, stride_items, HAS_ITEMS: tl.constexpr):
+def segment_chunk(items_ptr, stride_items, pid_item, pid_chunk, HAS_ITEMS: tl.constexpr):
     """The (segment, chunk) a one-program-a-segment launch gives this program: from the chunk list when
-    there is one (program_id(0) indexes it), else program_id(0) is the segment and program_id(1) the chunk."""
+    there is one (pid_item indexes it), else pid_item is the segment and pid_chunk the chunk. The caller
+    passes its program ids: a launch may put the segments on any axis of its grid."""
     if HAS_ITEMS:
-        s = tl.load(items_ptr + tl.program_id(0))
-        chunk = tl.load(items_ptr + stride_items + tl.program_id(0))
+        s = tl.load(items_ptr + pid_item)
+        chunk = tl.load(items_ptr + stride_items + pid_item)
     else:
-        s = tl.program_id(0)
-        chunk = tl.program_id(1)
+        s = pid_item
+        chunk = pid_chunk
     return s, chunk
 
 

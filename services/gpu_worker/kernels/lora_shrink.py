@@ -142,7 +142,7 @@ def _shrink_segment_kernel(
                             m, r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
                             HAS_ORDER, PRECISION)
     else:
-        s, chunk = segment_chunk(items_ptr, stride_items, HAS_ITEMS)
+        s, chunk = segment_chunk(items_ptr, stride_items, tl.program_id(0), tl.program_id(1), HAS_ITEMS)
         _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
                         slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
                         num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, chunk, split, g, m,

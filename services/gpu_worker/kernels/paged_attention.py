@@ -34,10 +34,13 @@ def _attention_kernel(
     qk_scale, num_heads, head_dim, n_split, split_len,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:
+        kvh, b = tl.program_id(0), tl.program_id(1)
+    else:
+        b, kvh = tl.program_id(0), tl.program_id(1)
     q_block = tl.program_id(2) // n_split
     split = tl.program_id(2) % n_split
     q_lo = tl.load(q_start_ptr + b)
@@ -130,6 +133,9 @@ class AttentionConfig:
     block_q: int  # new tokens per program (rows = block_q x padded group)
     block_n: int  # context tokens per iteration
     n_split: int  # context splits (combined by a second launch when > 1)
+    # Programs launched KV head first: those running side by side then read all heads of the same slots
+    # (whole pool rows) rather than one head's 256 bytes from the slots of many sequences.
+    heads_first: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
@@ -208,14 +214,19 @@ def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: A
         ml = torch.empty(num_tokens, num_heads, n_split, 2, dtype=torch.float32, device=device)
     else:
         part = ml = out
-    _ATTENTION[(num_seqs, num_kv_heads, n_q_blocks * n_split)](
+    if cfg.heads_first:
+        require(num_seqs <= 65535, f"heads_first: {num_seqs} sequences exceed the grid's second axis")
+        grid = (num_kv_heads, num_seqs, n_q_blocks * n_split)
+    else:
+        grid = (num_seqs, num_kv_heads, n_q_blocks * n_split)
+    _ATTENTION[grid](
         q, q.stride(0), q.stride(1), k_buf, k_buf.stride(0), v_buf, v_buf.stride(0),
         meta.q_start, meta.ctx_lens, meta.slot_table, meta.slot_table.stride(0),
         out, out.stride(0), out.stride(1), part, ml,
         float(scale) * _LOG2E, num_heads, head_dim, n_split, split_len,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         EVEN_D=block_d == head_dim, SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HEADS_FIRST=cfg.heads_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         _COMBINE[(num_tokens, num_heads)](
             part, ml, out, out.stride(0), out.stride(1), num_heads, head_dim, n_split,
