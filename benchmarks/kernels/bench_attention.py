@@ -109,6 +109,35 @@ def bench_decode_served(model: str, batches: list[int], dtype=torch.bfloat16, va
     return rows
 
 
+def bench_mixed(model: str, running: int, prompts: int, dtype=torch.bfloat16, device: str = "cuda",
+                prompt_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512),
+                seed: int = 0) -> dict:
+    """An admission step's attention: `running` decode rows (served_contexts) first, then `prompts` whole
+    prompts, as one launch and as two (decode rows apart, kernels.attention's split_decode); bytes are the
+    decode rows' K/V, which dominate."""
+    cfg = llama_config(model)
+    per_token = 2 * cfg.kv_dim * torch.empty((), dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(seed + 1)
+    ctx = served_contexts(running, prompt_range, output_range, seed)
+    lengths = torch.randint(prompt_range[0], prompt_range[1] + 1, (prompts,), generator=gen).tolist()
+    kv, meta = paged_kv(cfg, [1] * running + lengths, ctx + lengths, dtype, device, seed)
+    meta.decode_seqs, meta.decode_max_ctx = running, max(ctx)
+    q = torch.randn(running + sum(lengths), cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+    scale = cfg.head_dim ** -0.5
+    out = torch.empty_like(q)
+    one = kernels.attention(q, kv[0], kv[1], meta, scale, split_decode=False)
+    two = kernels.attention(q, kv[0], kv[1], meta, scale, split_decode=True)
+    row = {"model": model, "running": running, "prompts": prompts, "prompt_tokens": sum(lengths),
+           "context_mean": sum(ctx) / running, "decode_kv_bytes": sum(ctx) * per_token,
+           "max_diff_apart_vs_one": float((one.float() - two.float()).abs().max())}
+    for name, apart in (("one_launch", False), ("decode_apart", True)):
+        row[f"{name}_us"] = time_graph(
+            lambda: kernels.attention(q, kv[0], kv[1], meta, scale, out=out, split_decode=apart)) * 1e3
+    row["decode_apart_gbs"] = row["decode_kv_bytes"] / row["decode_apart_us"] / 1e3
+    row["one_launch_gbs"] = row["decode_kv_bytes"] / row["one_launch_us"] / 1e3
+    return row
+
+
 def bench_prefill(model: str, seqs: int = 4, length: int = 2048, dtype=torch.bfloat16, device: str = "cuda") -> dict:
     """Whole prompts (causal) as one prefill step vs SDPA is_causal on contiguous K/V; TFLOP/s counts the
     causal half of QKᵀ and PV."""

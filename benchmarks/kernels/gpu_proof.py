@@ -102,6 +102,11 @@ def main() -> None:
                                          m, bs, dtype, served_variants, device=device,
                                          prompt_range=(4, 20) if smoke else (8, 512),
                                          output_range=(4, 20) if smoke else (8, 512))],
+        "attention_mixed": lambda: [bench_attention.bench_mixed(m, running, prompts, dtype, device=device,
+                                                                prompt_range=(4, 20) if smoke else (8, 512),
+                                                                output_range=(4, 20) if smoke else (8, 512))
+                                    for m, running, prompts in (((big, 4, 2), (gqa, 4, 2)) if smoke else
+                                                                ((big, 376, 10), (big, 250, 16), (gqa, 500, 12)))],
         "prefill": lambda: [bench_attention.bench_prefill(m, 2 if smoke else 4, 20 if smoke else 2048, dtype, device)
                             for m in (big, gqa)],
     }
@@ -109,7 +114,8 @@ def main() -> None:
         sections.pop("ceilings")
     only = [s for s in args.only.split(",") if s]
     # Headline numbers first, so a run cut short still has them.
-    order = ["ceilings", "correctness", "attention", "attention_served", "lora", "prefill", "lora_sweep"]
+    order = ["ceilings", "correctness", "attention", "attention_served", "attention_mixed", "lora", "prefill",
+             "lora_sweep"]
     for name in order:
         fn = sections.get(name)
         if fn is None or (only and name not in only):

@@ -63,6 +63,13 @@ def write_tables(res: dict) -> str:
                          _f(pct, "{:.0f}%"), variants or "-"])
         parts.append(_table(["model", "batch", "mean context", "longest", "KV MB", "ours µs", "ours GB/s", "% HBM",
                              "variants (µs)"], rows))
+    if "attention_mixed" in res:
+        parts.append(_table(["model", "decode rows", "mean context", "prompts", "prompt tokens", "decode K/V MB",
+                             "one launch µs", "decode rows apart µs", "apart GB/s (decode K/V)"],
+                            [[r["model"], r["running"], _f(r["context_mean"], "{:.0f}"), r["prompts"], r["prompt_tokens"],
+                              _f(r["decode_kv_bytes"] / 1e6, "{:.0f}"), _f(r["one_launch_us"]),
+                              _f(r["decode_apart_us"]), _f(r["decode_apart_gbs"], "{:.0f}")]
+                             for r in res["attention_mixed"]]))
     if "attention" in res:
         rows = []
         for r in res["attention"]:

@@ -58,8 +58,13 @@ def build_batch(scheduled: list[tuple[Sequence, int]], tables: LoraTables, page_
     ids, pos, slots, adapters, q_start_d, ctx_d, rows_d, logits_idx = flat.split(sizes)
     max_ctx = max(ctx_lens)
     max_q = max(b - a for a, b in zip(q_start, q_start[1:]))
+    decode_seqs = 0
+    if max_q > 1:
+        while q_start[decode_seqs + 1] - q_start[decode_seqs] == 1:
+            decode_seqs += 1
     attn = AttnMeta(q_start=q_start_d, ctx_lens=ctx_d, slot_table=page_table.gather(rows_d, max_ctx),
-                    max_q_len=max_q, max_ctx_len=max_ctx, decode_only=max_q == 1)
+                    max_q_len=max_q, max_ctx_len=max_ctx, decode_only=max_q == 1, decode_seqs=decode_seqs,
+                    decode_max_ctx=max(ctx_lens[:decode_seqs], default=0))
     lora = None
     if any_lora:
         per_adapter = Counter()

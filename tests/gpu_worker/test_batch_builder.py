@@ -48,3 +48,20 @@ def test_a_base_only_step_has_no_lora_part():
     batch, _ = build_batch([(s, s.remaining) for s in seqs], tables(), page_table, CPU)
     assert batch.lora is None
     assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, 1, 2, 3]
+
+
+def test_a_mixed_step_names_its_leading_decode_rows_and_their_longest_context():
+    page_table = PageTable(8, 64, CPU)
+    decoding = [running(page_table, i, n, None) for i, n in enumerate((12, 30, 7))]
+    for seq in decoding:
+        seq.num_computed = len(seq.tokens) - 1  # one token left: a decode row
+    prompt = running(page_table, 3, 9, None)
+    late = running(page_table, 4, 40, None)
+    late.num_computed = 39
+    batch, _ = build_batch([(s, s.remaining) for s in decoding + [prompt, late]], tables(), page_table, CPU)
+    attn = batch.attn
+    # Three decode rows lead; the one scheduled after the prompt is the prompt launch's to take.
+    assert (attn.decode_seqs, attn.decode_max_ctx) == (3, 30)
+    assert (attn.max_q_len, attn.max_ctx_len, attn.decode_only) == (9, 40, False)
+    decode_only, _ = build_batch([(s, 1) for s in decoding], tables(), page_table, CPU)
+    assert decode_only.attn.decode_only and decode_only.attn.decode_seqs == 0

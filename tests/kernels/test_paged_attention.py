@@ -82,6 +82,23 @@ def test_heads_first_launch_order_computes_the_same_bits(q_lens, ctx_lens, n_spl
     assert_matches(outs[1], reference.attention(q, pool.k(0), pool.v(0), meta, scale), torch.float32)
 
 
+@pytest.mark.parametrize("q_lens, ctx_lens", [([1, 1, 1, 5, 9], [37, 130, 3, 5, 300]),
+                                              ([1, 1, 19, 1, 0], [70, 1, 19, 50, 7])],
+                         ids=["short-extends", "prompt-then-decode"])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_a_mixed_steps_decode_rows_launched_apart_match_the_reference(q_lens, ctx_lens, heads):
+    # The leading decode rows in their own launch (contexts split: 4 multiprocessors on the CPU), the rest in
+    # another, which splits its contexts too when its new tokens are few (short extends): each launch's
+    # partials are its own tokens'. A decode row after the prompt stays with the rest.
+    q, pool, meta = paged_batch(q_lens, ctx_lens, HEADS[heads], torch.float32, seed=41)
+    lead = next(i for i, n in enumerate(q_lens) if n != 1)
+    meta.decode_seqs, meta.decode_max_ctx = lead, max(ctx_lens[:lead])
+    scale = HEADS[heads][2] ** -0.5
+    apart = attention(q, pool.k(0), pool.v(0), meta, scale, out=torch.full_like(q, float("nan")), split_decode=True)
+    assert_matches(apart, reference.attention(q, pool.k(0), pool.v(0), meta, scale), torch.float32)
+    assert_matches(apart, attention(q, pool.k(0), pool.v(0), meta, scale, split_decode=False), torch.float32)
+
+
 def test_default_launch_shapes_decode_and_prefill():
     check([1, 1, 1], [3, 90, 300], HEADS["gqa4-hd16"], torch.float32, seed=21)
     check([7, 12], [7, 30], HEADS["gqa2-hd10"], torch.float32, seed=22)

@@ -31,7 +31,7 @@ def _attention_kernel(
     q_ptr, stride_qt, stride_qh, k_ptr, stride_k, v_ptr, stride_v,
     q_start_ptr, ctx_lens_ptr, slot_table_ptr, stride_st,
     out_ptr, stride_ot, stride_oh, part_ptr, ml_ptr,
-    qk_scale, num_heads, head_dim, n_split, split_len,
+    qk_scale, num_heads, head_dim, n_split, split_len, first_token,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
@@ -93,8 +93,9 @@ def _attention_kernel(
         m_i = m_new
 
     if SPLIT:
-        # Partials [T, Hq, n_split, head_dim] and (max, sum) pairs [T, Hq, n_split, 2], all fp32.
-        row = (tok * num_heads + head) * n_split + split
+        # Partials [T, Hq, n_split, head_dim] and (max, sum) pairs [T, Hq, n_split, 2], all fp32, for the
+        # launch's tokens from first_token on.
+        row = ((tok - first_token) * num_heads + head) * n_split + split
         tl.store(part_ptr + row[:, None] * head_dim + d[None, :], acc, mask=store_mask)
         tl.store(ml_ptr + row * 2, m_i, mask=row_valid)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=row_valid)
@@ -105,13 +106,14 @@ def _attention_kernel(
 
 
 @triton.jit
-def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_heads, head_dim, n_split,
+def _combine_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, num_heads, head_dim, n_split, first_token,
                     SPLIT_P: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLIT_P)
     sp_mask = sp < n_split
     row = (t.to(tl.int64) * num_heads + h) * n_split + sp
+    t = t + first_token
     m = tl.load(ml_ptr + row * 2, mask=sp_mask, other=float("-inf"))
     l = tl.load(ml_ptr + row * 2 + 1, mask=sp_mask, other=0.0)
     w = tl.math.exp2(m - tl.max(m, axis=0))
@@ -161,9 +163,17 @@ def choose_attention_config(meta: AttnMeta, num_kv_heads: int, group: int, head_
     return AttentionConfig(block_q=block_q, block_n=64 if head_dim <= 128 else 32, n_split=n_split)
 
 
+# Whether a mixed step's decode rows get a launch of their own by default (attention's split_decode). Off until
+# the H200 says it pays: benchmarks/kernels/gpu_proof.py, section attention_mixed.
+SPLIT_MIXED_STEPS = False
+
+
 def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMeta, scale: float, *,
-              out: torch.Tensor | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
-    """Same contract as ops.reference.attention: q `[T, Hq, hd]` -> `[T, Hq, hd]` in q's dtype."""
+              out: torch.Tensor | None = None, config: AttentionConfig | None = None,
+              split_decode: bool | None = None) -> torch.Tensor:
+    """Same contract as ops.reference.attention: q `[T, Hq, hd]` -> `[T, Hq, hd]` in q's dtype.
+    split_decode: launch a mixed step's leading decode sequences (meta.decode_seqs) apart from the rest, each
+    with the launch shape chosen for it (None: SPLIT_MIXED_STEPS unless a config is given)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     check_tensor("k_buf", k_buf, ndim=2, dtypes=FLOAT_DTYPES, device=device)
@@ -199,7 +209,41 @@ def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: A
             raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if split_decode is None:
+        split_decode = SPLIT_MIXED_STEPS and config is None
+    if split_decode and not meta.decode_only and 0 < meta.decode_seqs < num_seqs:
+        # The decode rows in decode-shaped tiles (16 rows, long blocks, split contexts), the prompts in prompt-
+        # shaped ones: one launch would give each decode row a whole 64-row tile. Both write their own tokens.
+        decode, rest = split_decode_rows(meta)
+        for part_meta, first, count in ((decode, 0, meta.decode_seqs),
+                                        (rest, meta.decode_seqs, num_tokens - meta.decode_seqs)):
+            cfg = choose_attention_config(part_meta, num_kv_heads, group, head_dim, device)
+            _launch(q, k_buf, v_buf, part_meta, scale, out, cfg, group, num_kv_heads, first, count)
+        return out
     cfg = config or choose_attention_config(meta, num_kv_heads, group, head_dim, device)
+    _launch(q, k_buf, v_buf, meta, scale, out, cfg, group, num_kv_heads, 0, num_tokens)
+    return out
+
+
+def split_decode_rows(meta: AttnMeta) -> tuple[AttnMeta, AttnMeta]:
+    """A mixed step's leading decode sequences and the rest, as two batches over the same tokens: q_start holds
+    offsets into the whole step's tokens, so slices of it serve as they are."""
+    k = meta.decode_seqs
+    decode = AttnMeta(q_start=meta.q_start[: k + 1], ctx_lens=meta.ctx_lens[:k], slot_table=meta.slot_table[:k],
+                      max_q_len=1, max_ctx_len=max(meta.decode_max_ctx, 1), decode_only=True)
+    rest = AttnMeta(q_start=meta.q_start[k:], ctx_lens=meta.ctx_lens[k:], slot_table=meta.slot_table[k:],
+                    max_q_len=meta.max_q_len, max_ctx_len=meta.max_ctx_len, decode_only=False)
+    return decode, rest
+
+
+def _launch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMeta, scale: float,
+            out: torch.Tensor, cfg: AttentionConfig, group: int, num_kv_heads: int, first_token: int,
+            num_tokens: int) -> None:
+    """One attention launch (and its combine) over `meta`'s sequences, whose new tokens are q's rows
+    first_token .. first_token + num_tokens - 1."""
+    num_seqs = meta.num_seqs
+    _, num_heads, head_dim = q.shape
+    device = q.device
     group_p = next_pow2(group)
     block_d = max(16, next_pow2(head_dim))
     require(cfg.block_q * group_p >= 16, "config.block_q x padded group must be at least 16 rows (tl.dot tile)")
@@ -223,12 +267,11 @@ def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: A
         q, q.stride(0), q.stride(1), k_buf, k_buf.stride(0), v_buf, v_buf.stride(0),
         meta.q_start, meta.ctx_lens, meta.slot_table, meta.slot_table.stride(0),
         out, out.stride(0), out.stride(1), part, ml,
-        float(scale) * _LOG2E, num_heads, head_dim, n_split, split_len,
+        float(scale) * _LOG2E, num_heads, head_dim, n_split, split_len, first_token,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         EVEN_D=block_d == head_dim, SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HEADS_FIRST=cfg.heads_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         _COMBINE[(num_tokens, num_heads)](
-            part, ml, out, out.stride(0), out.stride(1), num_heads, head_dim, n_split,
+            part, ml, out, out.stride(0), out.stride(1), num_heads, head_dim, n_split, first_token,
             SPLIT_P=max(2, next_pow2(n_split)), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 4)
-    return out

@@ -18,6 +18,11 @@ class AttnMeta:
     max_q_len: int
     max_ctx_len: int
     decode_only: bool  # every sequence has exactly one new token
+    # A mixed step's leading sequences with one new token (its decode rows, scheduled before the prompts) and
+    # their longest context, known on the host: attention may launch them apart, in decode-shaped tiles.
+    # 0 = none or not known.
+    decode_seqs: int = 0
+    decode_max_ctx: int = 0
 
     @property
     def num_seqs(self) -> int:
