@@ -75,37 +75,41 @@ def served_contexts(batch: int, prompt_range: tuple[int, int], output_range: tup
 
 
 def bench_decode_served(model: str, batches: list[int], dtype=torch.bfloat16, variants=None, device: str = "cuda",
-                        prompt_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512)) -> list[dict]:
+                        prompt_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512),
+                        layouts: tuple[tuple[int, int], ...] = ((1, 0),)) -> list[dict]:
     """One decode step's attention as the engine runs it while serving: `batch` sequences of mixed contexts
-    (served_contexts) over a fragmented pool, one launch with the chosen config and each variant. No SDPA
-    column: contiguous K/V of equal lengths is not this shape."""
+    (served_contexts), one launch with the chosen config and each variant. `layouts`: (slot_run, pool_slots)
+    pairs for paged_kv: single-token pages at random (the pool's own allocation, each decode step handing
+    the batch's sequences consecutive slots) or runs of consecutive slots, in a pool as large as a served one
+    or just the batch's. No SDPA column: contiguous K/V of equal lengths is not this shape."""
     cfg = llama_config(model)
     per_token = 2 * cfg.kv_dim * torch.empty((), dtype=dtype).element_size()
     scale = cfg.head_dim ** -0.5
     rows = []
     for batch in batches:
         ctx = served_contexts(batch, prompt_range, output_range)
-        kv, meta = paged_kv(cfg, [1] * batch, ctx, dtype, device)
-        q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
-        out = torch.empty_like(q)
-        nbytes = sum(ctx) * per_token
-        default = choose_attention_config(meta, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
-                                          q.device)
-        row = {"model": model, "batch": batch, "context_mean": sum(ctx) / batch, "context_max": max(ctx),
-               "kv_bytes": nbytes, "config": repr(default)}
-        row["ours_us"] = time_graph(lambda: kernels.attention(q, kv[0], kv[1], meta, scale, out=out)) * 1e3
-        want = kernels.attention(q, kv[0], kv[1], meta, scale)
-        for name, config in (variants(default) if variants else {}).items():
-            got = kernels.attention(q, kv[0], kv[1], meta, scale, config=config)
-            # A variant only reshapes the launch: its output must be the default's up to summation order.
-            row[f"ours_{name}_max_diff"] = float((got.float() - want.float()).abs().max())
-            row[f"ours_{name}_us"] = time_graph(
-                lambda: kernels.attention(q, kv[0], kv[1], meta, scale, out=out, config=config)) * 1e3
-        row["ours_gbs"] = nbytes / row["ours_us"] / 1e3
-        rows.append(row)
-        del kv
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        for slot_run, pool_slots in layouts:
+            kv, meta = paged_kv(cfg, [1] * batch, ctx, dtype, device, slot_run=slot_run, pool_slots=pool_slots)
+            q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
+            out = torch.empty_like(q)
+            nbytes = sum(ctx) * per_token
+            default = choose_attention_config(meta, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads,
+                                              cfg.head_dim, q.device)
+            row = {"model": model, "batch": batch, "context_mean": sum(ctx) / batch, "context_max": max(ctx),
+                   "slot_run": slot_run, "pool_slots": kv.shape[1], "kv_bytes": nbytes, "config": repr(default)}
+            row["ours_us"] = time_graph(lambda: kernels.attention(q, kv[0], kv[1], meta, scale, out=out)) * 1e3
+            want = kernels.attention(q, kv[0], kv[1], meta, scale)
+            for name, config in (variants(default) if variants else {}).items():
+                got = kernels.attention(q, kv[0], kv[1], meta, scale, config=config)
+                # A variant only reshapes the launch: its output must be the default's up to summation order.
+                row[f"ours_{name}_max_diff"] = float((got.float() - want.float()).abs().max())
+                row[f"ours_{name}_us"] = time_graph(
+                    lambda: kernels.attention(q, kv[0], kv[1], meta, scale, out=out, config=config)) * 1e3
+            row["ours_gbs"] = nbytes / row["ours_us"] / 1e3
+            rows.append(row)
+            del kv
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 

@@ -45,6 +45,13 @@ def environment() -> dict:
     return env
 
 
+# (slot_run, pool_slots) of the served attention rows: single-token pages in the batch's own pool (as the kernel
+# table) and in a served S2 pool's 219k slots (a layer's K/V over 3.6 GB), and 16-token runs in the latter (what a
+# request's slots would look like if its decode slots were handed out 16 at a time).
+SERVED_LAYOUTS = ((1, 0), (1, 219_000), (16, 219_000))
+SMOKE_LAYOUTS = ((1, 0), (4, 200))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -101,7 +108,8 @@ def main() -> None:
                                      for r in bench_attention.bench_decode_served(
                                          m, bs, dtype, served_variants, device=device,
                                          prompt_range=(4, 20) if smoke else (8, 512),
-                                         output_range=(4, 20) if smoke else (8, 512))],
+                                         output_range=(4, 20) if smoke else (8, 512),
+                                         layouts=SMOKE_LAYOUTS if smoke else SERVED_LAYOUTS)],
         "attention_mixed": lambda: [bench_attention.bench_mixed(m, running, prompts, dtype, device=device,
                                                                 prompt_range=(4, 20) if smoke else (8, 512),
                                                                 output_range=(4, 20) if smoke else (8, 512))

@@ -58,11 +58,11 @@ def write_tables(res: dict) -> str:
             pct = 100 * r["ours_gbs"] / hbm if hbm else None
             variants = ", ".join(f"{k[5:-3]} {v:.1f}" for k, v in r.items()
                                  if k.startswith("ours_") and k.endswith("_us") and k != "ours_us")
-            rows.append([r["model"], r["batch"], _f(r["context_mean"], "{:.0f}"), r["context_max"],
-                         _f(r["kv_bytes"] / 1e6, "{:.0f}"), _f(r["ours_us"]), _f(r["ours_gbs"], "{:.0f}"),
-                         _f(pct, "{:.0f}%"), variants or "-"])
-        parts.append(_table(["model", "batch", "mean context", "longest", "KV MB", "ours µs", "ours GB/s", "% HBM",
-                             "variants (µs)"], rows))
+            rows.append([r["model"], r["batch"], _f(r["context_mean"], "{:.0f}"), r["context_max"], r["slot_run"],
+                         r["pool_slots"], _f(r["kv_bytes"] / 1e6, "{:.0f}"), _f(r["ours_us"]),
+                         _f(r["ours_gbs"], "{:.0f}"), _f(pct, "{:.0f}%"), variants or "-"])
+        parts.append(_table(["model", "batch", "mean context", "longest", "slot run", "pool slots", "KV MB", "ours µs",
+                             "ours GB/s", "% HBM", "variants (µs)"], rows))
     if "attention_mixed" in res:
         parts.append(_table(["model", "decode rows", "mean context", "prompts", "prompt tokens", "decode K/V MB",
                              "one launch µs", "decode rows apart µs", "apart GB/s (decode K/V)"],

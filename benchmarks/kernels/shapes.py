@@ -78,17 +78,21 @@ class AdapterPool:
 
 
 def paged_kv(cfg: ModelConfig, q_lens: list[int], ctx_lens: list[int], dtype: torch.dtype, device: str,
-             seed: int = 0) -> tuple[torch.Tensor, AttnMeta]:
-    """One layer's K/V `[2, slots, W]` with each sequence's context at randomly permuted slots."""
+             seed: int = 0, slot_run: int = 1, pool_slots: int = 0) -> tuple[torch.Tensor, AttnMeta]:
+    """One layer's K/V `[2, slots, W]` with each sequence's context at randomly permuted slots: single slots, or
+    runs of `slot_run` consecutive ones (each sequence starting a run), in a pool of at least `pool_slots`
+    (a served pool spreads a layer's K/V over gigabytes, not over the batch's own few hundred megabytes)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    total = sum(ctx_lens)
-    kv = torch.empty(2, total + 16, cfg.kv_dim, dtype=dtype, device=device).normal_()
-    perm = torch.randperm(total + 16, generator=gen).to(torch.int32)
+    need = sum(-(-n // slot_run) * slot_run for n in ctx_lens) + 16
+    n_slots = -(-max(need, pool_slots) // slot_run) * slot_run
+    kv = torch.empty(2, n_slots, cfg.kv_dim, dtype=dtype, device=device).normal_()
+    runs = torch.randperm(n_slots // slot_run, generator=gen)
+    perm = (runs[:, None] * slot_run + torch.arange(slot_run)).reshape(-1).to(torch.int32)
     table = torch.zeros(len(ctx_lens), max(ctx_lens), dtype=torch.int32)
     used = 0
     for b, n in enumerate(ctx_lens):
         table[b, :n] = perm[used: used + n]
-        used += n
+        used += -(-n // slot_run) * slot_run
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
