@@ -64,7 +64,8 @@ def bench_decode(model: str, contexts: list[int], dtype=torch.bfloat16, variants
     return rows
 
 
-def served_contexts(batch: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0) -> list[int]:
+def served_contexts(batch: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                    seed: int = 0) -> list[int]:
     """Contexts of a served decode batch: each sequence's prompt plus the part of its output made so far, prompt
     and output lengths uniform in their ranges (the S1/S2/S-GQA workloads), as a running batch holds them."""
     gen = torch.Generator().manual_seed(seed)

@@ -52,8 +52,9 @@ PLANS = ("bound", "bound live 4", "bound live 8", "bound live 16", "bound live 3
 # "p128" ones share a many-adapter step's segments among 128 programs), then an eager step's exact segments.
 SHAPE_PLANS = ("bound", "bound t1", "bound r16", "bound t4", "bound w2", "bound r16 w2", "bound n64", "bound n64 t4",
                "bound sw8", "bound sw2", "bound sk64", "bound sk256", "bound sx2", "bound sr16", "bound ss1",
-               "bound ss3", "bound live 128 p128 t2", "bound live 256 p128 t2", "bound cf", "bound cf t1", "bound cf t4",
-               "bound cf n64 t4", "exact", "exact t2", "exact r16 t2", "exact sw8", "exact cf", "exact cf t2")
+               "bound ss3", "bound live 128 p128 t2", "bound live 256 p128 t2", "bound cf", "bound cf t1",
+               "bound cf t4", "bound cf n64 t4", "bound t8", "bound t32", "bound cf t8", "exact", "exact t2",
+               "exact r16 t2", "exact sw8", "exact cf", "exact cf t2")
 EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog"}
 SHRINK_WORDS = {"sk": "block_k", "sx": "n_split", "sr": "block_r", "sw": "num_warps", "ss": "num_stages"}
 

@@ -66,8 +66,8 @@ def write_tables(res: dict) -> str:
     if "attention_mixed" in res:
         parts.append(_table(["model", "decode rows", "mean context", "prompts", "prompt tokens", "decode K/V MB",
                              "one launch µs", "decode rows apart µs", "apart GB/s (decode K/V)"],
-                            [[r["model"], r["running"], _f(r["context_mean"], "{:.0f}"), r["prompts"], r["prompt_tokens"],
-                              _f(r["decode_kv_bytes"] / 1e6, "{:.0f}"), _f(r["one_launch_us"]),
+                            [[r["model"], r["running"], _f(r["context_mean"], "{:.0f}"), r["prompts"],
+                              r["prompt_tokens"], _f(r["decode_kv_bytes"] / 1e6, "{:.0f}"), _f(r["one_launch_us"]),
                               _f(r["decode_apart_us"]), _f(r["decode_apart_gbs"], "{:.0f}")]
                              for r in res["attention_mixed"]]))
     if "attention" in res:
