@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 from dataclasses import MISSING, dataclass, field, fields
 
+from .kernel_shapes import LaunchShapes
 from .model_config import MODULES
 
 
@@ -60,6 +61,10 @@ class EngineConfig:
                                "skipping Triton's per-call argument binding (CUDA; kernels/compiled_launch.py); "
                                "on the H200 it cut an admission step's host launch from 33 to 25 ms but left "
                                "served throughput unchanged (docs/benchmarks.md)", False)
+    kernel_shapes: str = _doc("launch shapes to try instead of the kernels' own choice, comma-separated: "
+                              "attention_block_n=N, attention_stages=N, heads_first, split_mixed, expand_cols_first "
+                              "(shared/kernel_shapes.py; each gives the same results); empty = the kernels' choice",
+                              "")
     cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)
     cuda_graph_warmup_s: float = _doc("seconds a CUDA worker spends capturing decode graphs (every batch, rank and "
                                       "context bucket up to cuda_graph_max_context) before it reports ready; the "
@@ -105,6 +110,9 @@ class EngineConfig:
         if isinstance(self.admission_wait_s, bool) or not isinstance(self.admission_wait_s, (int, float)) \
                 or not self.admission_wait_s >= 0:
             raise ValueError(f"admission_wait_s must be a number of seconds >= 0, got {self.admission_wait_s!r}")
+        if not isinstance(self.kernel_shapes, str):
+            raise ValueError(f"kernel_shapes must be a comma-separated string, got {self.kernel_shapes!r}")
+        LaunchShapes.parse(self.kernel_shapes)
         unknown = [m for m in self.graph_lora_targets() if m not in MODULES]
         if unknown:
             raise ValueError(f"cuda_graph_lora_targets: unknown module(s) {', '.join(unknown)}; adaptable modules "

@@ -170,6 +170,9 @@ def test_set_passes_flags_to_one_service():
     assert service_extra("scheduler.max_queue=4") == ("scheduler", "--max-queue", "4")
     assert service_extra("worker.max_running_requests=8") == ("gpu_worker", "--max-running-requests", "8")
     assert service_extra("store.max_upload_bytes=10") == ("adapter_store", "--max-upload-bytes", "10")
+    # A value may hold '=' itself: only the first one ends the flag's name.
+    assert service_extra("worker.kernel_shapes=attention_block_n=64,split_mixed") == (
+        "gpu_worker", "--kernel-shapes", "attention_block_n=64,split_mixed")
 
 
 def test_every_service_accepts_the_flags_the_launcher_gives_it(tmp_path):

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from benchmarks.kernels.shapes import llama_config, paged_kv
 from benchmarks.kernels.timing import time_graph
 from services.gpu_worker import kernels
+from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
 from services.gpu_worker.kernels.paged_attention import choose_attention_config
+from shared.kernel_shapes import LaunchShapes
 
 
 def _sdpa_inputs(kv, meta, cfg, q):
@@ -75,14 +77,26 @@ def served_contexts(batch: int, prompt_range: tuple[int, int], output_range: tup
     return (prompts + made + 1).tolist()
 
 
-def bench_decode_served(model: str, batches: list[int], dtype=torch.bfloat16, variants=None, device: str = "cuda",
-                        prompt_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512),
+def chosen_under(shapes: str, meta, cfg) -> "AttentionConfig":
+    """The launch shape the launcher chooses for `meta` while the worker setting kernel_shapes is `shapes`."""
+    set_launch_shapes(LaunchShapes.parse(shapes))
+    try:
+        return choose_attention_config(meta, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
+                                       meta.ctx_lens.device)
+    finally:
+        set_launch_shapes(LaunchShapes())
+
+
+def bench_decode_served(model: str, batches: list[int], dtype=torch.bfloat16, shapes: tuple[str, ...] = (),
+                        device: str = "cuda", prompt_range: tuple[int, int] = (8, 512),
+                        output_range: tuple[int, int] = (8, 512),
                         layouts: tuple[tuple[int, int], ...] = ((1, 0),)) -> list[dict]:
     """One decode step's attention as the engine runs it while serving: `batch` sequences of mixed contexts
-    (served_contexts), one launch with the chosen config and each variant. `layouts`: (slot_run, pool_slots)
-    pairs for paged_kv: single-token pages at random (the pool's own allocation, each decode step handing
-    the batch's sequences consecutive slots) or runs of consecutive slots, in a pool as large as a served one
-    or just the batch's. No SDPA column: contiguous K/V of equal lengths is not this shape."""
+    (served_contexts), one launch with the chosen config and one under each of `shapes` (worker.kernel_shapes
+    values: a winner is served as it is named). `layouts`: (slot_run, pool_slots) pairs for paged_kv:
+    single-token pages at random (the pool's own allocation, each decode step handing the batch's sequences
+    consecutive slots) or runs of consecutive slots, in a pool as large as a served one or just the batch's.
+    No SDPA column: contiguous K/V of equal lengths is not this shape."""
     cfg = llama_config(model)
     per_token = 2 * cfg.kv_dim * torch.empty((), dtype=dtype).element_size()
     scale = cfg.head_dim ** -0.5
@@ -94,17 +108,17 @@ def bench_decode_served(model: str, batches: list[int], dtype=torch.bfloat16, va
             q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
             out = torch.empty_like(q)
             nbytes = sum(ctx) * per_token
-            default = choose_attention_config(meta, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads,
-                                              cfg.head_dim, q.device)
             row = {"model": model, "batch": batch, "context_mean": sum(ctx) / batch, "context_max": max(ctx),
-                   "slot_run": slot_run, "pool_slots": kv.shape[1], "kv_bytes": nbytes, "config": repr(default)}
+                   "slot_run": slot_run, "pool_slots": kv.shape[1], "kv_bytes": nbytes,
+                   "config": repr(chosen_under("", meta, cfg))}
             row["ours_us"] = time_graph(lambda: kernels.attention(q, kv[0], kv[1], meta, scale, out=out)) * 1e3
             want = kernels.attention(q, kv[0], kv[1], meta, scale)
-            for name, config in (variants(default) if variants else {}).items():
+            for words in shapes:
+                config = chosen_under(words, meta, cfg)
                 got = kernels.attention(q, kv[0], kv[1], meta, scale, config=config)
-                # A variant only reshapes the launch: its output must be the default's up to summation order.
-                row[f"ours_{name}_max_diff"] = float((got.float() - want.float()).abs().max())
-                row[f"ours_{name}_us"] = time_graph(
+                # A shape only changes the launch: its output must be the default's up to summation order.
+                row[f"ours_{words}_max_diff"] = float((got.float() - want.float()).abs().max())
+                row[f"ours_{words}_us"] = time_graph(
                     lambda: kernels.attention(q, kv[0], kv[1], meta, scale, out=out, config=config)) * 1e3
             row["ours_gbs"] = nbytes / row["ours_us"] / 1e3
             rows.append(row)

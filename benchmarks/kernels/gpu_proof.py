@@ -50,6 +50,12 @@ def environment() -> dict:
 # request's slots would look like if its decode slots were handed out 16 at a time).
 SERVED_LAYOUTS = ((1, 0), (1, 219_000), (16, 219_000))
 SMOKE_LAYOUTS = ((1, 0), (4, 200))
+# worker.kernel_shapes values timed on the served decode batches. Programs of a served step walk ~400 tokens
+# each: smaller blocks keep two or more programs resident on a multiprocessor, so one's first loads overlap
+# another's last; heads first has programs side by side read the same slots' rows.
+SERVED_SHAPES = ("attention_block_n=64", "attention_block_n=64,attention_stages=4",
+                 "attention_block_n=32,attention_stages=4", "attention_block_n=64,attention_warps=2", "heads_first",
+                 "heads_first,attention_block_n=64")
 
 
 def main() -> None:
@@ -76,14 +82,6 @@ def main() -> None:
                 "warps 8": replace(c, num_warps=8), "heads first": replace(c, heads_first=True),
                 "heads first split /2": replace(c, heads_first=True, n_split=max(1, c.n_split // 2))}
 
-    def served_variants(c):
-        # Programs of a served step walk ~400 tokens each: smaller blocks keep two or more programs resident
-        # on a multiprocessor, so one's first loads overlap another's last.
-        return {"block_n 64": replace(c, block_n=64), "block_n 64 stages 4": replace(c, block_n=64, num_stages=4),
-                "block_n 32 stages 4": replace(c, block_n=32, num_stages=4),
-                "block_n 64 warps 2": replace(c, block_n=64, num_warps=2), "heads first": replace(c, heads_first=True),
-                "heads first block_n 64": replace(c, heads_first=True, block_n=64)}
-
     sections = {
         "ceilings": lambda: {"copy_gbs": ceilings.copy_bandwidth_gbs(), "matmul_tflops": ceilings.matmul_tflops()},
         "correctness": lambda: (correctness.run_all(dtype, device, models=(big,) if smoke else None)
@@ -106,7 +104,7 @@ def main() -> None:
         "attention_served": lambda: [r for m, bs in ((big, [4] if smoke else [256, 384]),
                                                     (gqa, [4] if smoke else [256, 512]))
                                      for r in bench_attention.bench_decode_served(
-                                         m, bs, dtype, served_variants, device=device,
+                                         m, bs, dtype, SERVED_SHAPES, device=device,
                                          prompt_range=(4, 20) if smoke else (8, 512),
                                          output_range=(4, 20) if smoke else (8, 512),
                                          layouts=SMOKE_LAYOUTS if smoke else SERVED_LAYOUTS)],

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from shared.config import EngineConfig
+from shared.kernel_shapes import LaunchShapes
 from shared.log import get_logger
 from shared.lora_weights import LoraWeights
 from shared.model_config import ModelConfig
@@ -23,6 +24,7 @@ from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
 from .cuda_graphs import DecodeGraphs, groups_of_modules
+from .kernels.launch_shapes import set_launch_shapes
 from .lookahead import PENDING_TOKEN, ending_by_length, lookahead_rows, unfinished_prompts
 from .merge_mode import MergeMode
 from .model import LlamaModel
@@ -59,6 +61,8 @@ class Engine:
             from .kernels.compiled_launch import set_enabled
 
             set_enabled(True)  # process-wide, as Triton's own launch settings: one engine per worker process
+        # Process-wide as well; every engine sets it, so one built after another starts from its own.
+        set_launch_shapes(LaunchShapes.parse(config.kernel_shapes))
         self.model = LlamaModel(cfg, weights, self.ops, self.max_model_len)
         num_slots = config.num_slots or self._slots_from_memory()
         self.pool = UnifiedPool(cfg.num_layers, num_slots, cfg.kv_dim, self.dtype, self.device,

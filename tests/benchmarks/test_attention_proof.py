@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from bench import REPO, child_env
+from benchmarks.kernels.gpu_proof import SERVED_SHAPES
 
 
 def test_served_and_mixed_attention_sections_run_and_agree_with_the_chosen_launch(tmp_path):
@@ -22,8 +23,8 @@ def test_served_and_mixed_attention_sections_run_and_agree_with_the_chosen_launc
     assert served[1]["pool_slots"] == 200 and served[0]["pool_slots"] < 200
     for row in served:
         diffs = {k: v for k, v in row.items() if k.endswith("_max_diff")}
-        assert {k[5:-9] for k in diffs} == {"block_n 64", "block_n 64 stages 4", "block_n 32 stages 4",
-                                            "block_n 64 warps 2", "heads first", "heads first block_n 64"}
+        # Each timed shape is named by the worker.kernel_shapes value that serves it.
+        assert {k[5:-9] for k in diffs} == set(SERVED_SHAPES)
         # fp16 inputs, fp32 sums: other block sizes only reorder the sums.
         assert all(v < 1e-2 for v in diffs.values()), diffs
         assert 4 < row["context_mean"] <= row["context_max"] <= 41
@@ -56,3 +57,40 @@ def test_paged_kv_lays_contexts_out_in_runs_of_consecutive_slots_within_the_pool
     expected = torch.randperm(sum(ctx) + 16, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     assert kv.shape[1] == sum(ctx) + 16
     assert meta.slot_table[1, :9].tolist() == expected[5:14].tolist()
+
+
+def test_the_shapes_picked_are_those_that_beat_the_kernels_own_choice(tmp_path, capsys):
+    from benchmarks.kernels.pick_shapes import main
+
+    def served(pool, ours, shapes, batch=384, model="llama2-7b"):
+        return {"model": model, "batch": batch, "slot_run": 1, "pool_slots": pool, "ours_us": ours,
+                **{f"ours_{w}_us": us for w, us in shapes.items()}}
+
+    proof = {"attention_served": [
+        # The served pool's row decides: block_n 64 wins there by 10%, heads_first only in the batch's own pool.
+        served(500, 100.0, {"attention_block_n=64": 99.0, "heads_first": 80.0}),
+        served(219_000, 100.0, {"attention_block_n=64": 90.0, "heads_first": 99.0}),
+        served(219_000, 100.0, {"heads_first": 50.0}, batch=256),
+        served(219_000, 100.0, {"heads_first": 50.0}, batch=512, model="llama3-8b"),
+        {**served(219_000, 100.0, {"heads_first": 50.0}), "slot_run": 16}],
+        "attention_mixed": [{"model": "llama2-7b", "one_launch_us": 100.0, "decode_apart_us": 95.0},
+                            {"model": "llama2-7b", "one_launch_us": 200.0, "decode_apart_us": 190.0},
+                            {"model": "llama3-8b", "one_launch_us": 100.0, "decode_apart_us": 150.0}]}
+    graph = {"rows": [{"batch": 384, "distinct_adapters": d, "plan": plan, "expand_us": us}
+                      for d, plan, us in ((200, "bound", 50.0), (200, "bound cf", 49.0), (100, "bound", 40.0),
+                                          (100, "bound cf", 10.0), (200, "bound t4", 1.0))]}
+    (tmp_path / "kernels.json").write_text(json.dumps(proof))
+    (tmp_path / "graph.json").write_text(json.dumps(graph))
+    args = ["--proof", str(tmp_path / "kernels.json"), "--graph", str(tmp_path / "graph.json")]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    # Decode rows apart saved 5%; expand's order 2% at the most adapters (200), under the 3% asked for.
+    assert out.out.strip() == "attention_block_n=64,split_mixed"
+    assert "attention_block_n=64 90.0 us against 100.0" in out.err and "column tile first 49.0 us" in out.err
+    assert main(args + ["--min-gain", "0.2"]) == 0
+    assert capsys.readouterr().out.strip() == ""
+    assert main(args + ["--model", "llama3-8b", "--batch", "384", "--min-gain", "0.01"]) == 0
+    out = capsys.readouterr()
+    # No llama3 row at 384: the attention keeps its choice; mixed steps lost; expand's 2% now counts.
+    assert out.out.strip() == "expand_cols_first"
+    assert "no served row for llama3-8b at batch 384" in out.err

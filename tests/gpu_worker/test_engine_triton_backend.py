@@ -17,9 +17,10 @@ from shared.tiny_model import make_model
 from .oracle import make_peft_adapter
 
 
-def run(base, adapters, backend: str, device: str, direct_launch: bool = False):
+def run(base, adapters, backend: str, device: str, direct_launch: bool = False, kernel_shapes: str = ""):
     engine = Engine.from_model_dir(base, EngineConfig(device=device, num_slots=1024, max_lora_rank=16,
-                                                      max_resident_adapters=4, direct_launch=direct_launch),
+                                                      max_resident_adapters=4, direct_launch=direct_launch,
+                                                      kernel_shapes=kernel_shapes),
                                    backend=backend)
     for name, w in adapters.items():
         engine.register_adapter(name, w)
@@ -31,7 +32,13 @@ def run(base, adapters, backend: str, device: str, direct_launch: bool = False):
         engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True), adapter,
                                          return_logits=True))
     tokens, logits = {}, {}
+    late = EngineRequest("f", [8, 30, 31, 6, 2], SamplingParams(max_tokens=3, ignore_eos=True), "r3",
+                         return_logits=True)
     while engine.has_unfinished():
+        if late is not None and engine.has_unfinished() and tokens:
+            # A prompt joining decoding requests: a mixed step, whose decode rows lead its batch.
+            engine.add_request(late)
+            late = None
         for out in engine.step():
             assert out.error is None
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -80,3 +87,33 @@ def test_kernels_launched_direct_give_bit_for_bit_what_ordinary_launches_give(tm
     assert direct_tokens == tokens
     for rid in logits:
         assert all(torch.equal(a, b) for a, b in zip(direct_logits[rid], logits[rid])), rid
+
+
+def test_launch_shapes_set_for_the_worker_give_the_reference_tokens(tmp_path, monkeypatch):
+    """worker.kernel_shapes: smaller decode attention blocks and stages, programs launched KV head and column tile
+    first, and a mixed step's decode rows launched apart from its prompt change launches, not results; an engine
+    built afterwards without them launches the kernels' own choice again."""
+    from services.gpu_worker.kernels import paged_attention
+    from services.gpu_worker.kernels.launch_shapes import launch_shapes
+    from shared.kernel_shapes import LaunchShapes
+
+    splits = []
+    split_rows = paged_attention.split_decode_rows
+    monkeypatch.setattr(paged_attention, "split_decode_rows", lambda meta: splits.append(meta.decode_seqs) or
+                        split_rows(meta))
+
+    base, adapters = model_and_adapters(tmp_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref_tokens, ref_logits = run(base, adapters, "reference", "cpu")
+    shapes = "attention_block_n=16,attention_stages=2,heads_first,split_mixed,expand_cols_first"
+    tokens, logits = run(base, adapters, "triton", device, kernel_shapes=shapes)
+    assert launch_shapes() == LaunchShapes(attention_block_n=16, attention_stages=2, heads_first=True, split_mixed=True,
+                                           expand_cols_first=True)
+    assert tokens == ref_tokens and set(tokens) == {"a", "b", "c", "d", "e", "f"}
+    for rid in ref_logits:
+        for ours, ref in zip(logits[rid], ref_logits[rid]):
+            assert (ours - ref).abs().max().item() < 1e-4
+    # The mixed step's decode rows (the five first requests') went apart, in every layer.
+    assert splits and set(splits) == {5}, splits
+    Engine.from_model_dir(base, EngineConfig(device=device, num_slots=64), backend="triton")
+    assert launch_shapes() == LaunchShapes()

@@ -8,7 +8,7 @@ before reading anything, so a base-only batch costs one near-empty launch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -19,6 +19,7 @@ from .checks import (
     FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor, require,
 )
 from .compiled_launch import CompiledLaunch
+from .launch_shapes import launch_shapes
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
@@ -264,8 +265,9 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         # few-adapter graphs, two tiles lost 5-14% with them.
         return ExpandConfig(block_r=16 if max_rank <= 16 or short_prefill or graph_bound else 32, block_n=block_n,
                             tiles_per_prog=tiles, block_m=block_m, chunk_tokens=chunk,
-                            segment_programs=segment_programs)
-    return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n)
+                            segment_programs=segment_programs, cols_first=launch_shapes().expand_cols_first)
+    return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n,
+                        cols_first=launch_shapes().expand_cols_first)
 
 
 def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
@@ -323,7 +325,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     d0, d1, d2 = pad3(out_dims)
     col_start = [sum(out_dims[:g]) for g in range(num_groups)]
     c0, c1, c2 = pad3(tuple(col_start))
-    common = dict(BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even, COLS_FIRST=cfg.cols_first,
+    common = dict(BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, ALIGNED=aligned, EVEN=even,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if segmented:
         seg = segment_form(cfg, num_tokens, max_seg_len, seg_start, seg_adapter, token_order, num_live, chunk_items,
@@ -334,10 +336,13 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
     else:
         grid = (num_tokens, num_groups, n_col_groups)
         kernel_fn = _expand_token_kernel
+    if cfg.cols_first and grid[0] > 65535 and config is None:
+        cfg = replace(cfg, cols_first=False)  # a chosen shape, not one asked for: keep the order that fits
     if cfg.cols_first:
         # The grid's last axis holds at most 65535 programs: segments or tokens go there only as far as that.
         require(grid[0] <= 65535, f"cols_first: {grid[0]} segments or tokens exceed the grid's last axis")
         grid = (grid[2], grid[1], grid[0])
+    common["COLS_FIRST"] = cfg.cols_first
     # A planned launch serves every layer of the step: its later layers may skip Triton's binding.
     kernel = CompiledLaunch(kernel_fn)[grid] if plan is not None else kernel_fn[grid]
 

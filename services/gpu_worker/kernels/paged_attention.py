@@ -22,6 +22,7 @@ import triton.language as tl
 from ..ops.meta import AttnMeta
 from .checks import FLOAT_DTYPES, cdiv, check_tensor, next_pow2, num_sms, require
 from .compiled_launch import CompiledLaunch
+from .launch_shapes import launch_shapes
 
 _LOG2E = 1.4426950408889634
 
@@ -157,15 +158,14 @@ def choose_attention_config(meta: AttnMeta, num_kv_heads: int, group: int, head_
     if meta.decode_only or meta.max_q_len <= 16:
         n_split = max(cdiv(4 * num_sms(device), max(units, 1)), cdiv(ctx, 1024))
         n_split = max(1, min(n_split, cdiv(ctx, 128)))
+    shapes = launch_shapes()
+    heads_first = shapes.heads_first and meta.num_seqs <= 65535  # sequences on the grid's second axis
     if meta.decode_only:
-        return AttentionConfig(block_q=block_q, block_n=128 if head_dim <= 128 else 32, n_split=n_split,
-                               num_stages=3)
-    return AttentionConfig(block_q=block_q, block_n=64 if head_dim <= 128 else 32, n_split=n_split)
-
-
-# Whether a mixed step's decode rows get a launch of their own by default (attention's split_decode). Off until
-# the H200 says it pays: benchmarks/kernels/gpu_proof.py, section attention_mixed.
-SPLIT_MIXED_STEPS = False
+        block_n = shapes.attention_block_n or (128 if head_dim <= 128 else 32)
+        return AttentionConfig(block_q=block_q, block_n=block_n, n_split=n_split, heads_first=heads_first,
+                               num_warps=shapes.attention_warps or 4, num_stages=shapes.attention_stages or 3)
+    return AttentionConfig(block_q=block_q, block_n=64 if head_dim <= 128 else 32, n_split=n_split,
+                           heads_first=heads_first)
 
 
 def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: AttnMeta, scale: float, *,
@@ -173,7 +173,8 @@ def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: A
               split_decode: bool | None = None) -> torch.Tensor:
     """Same contract as ops.reference.attention: q `[T, Hq, hd]` -> `[T, Hq, hd]` in q's dtype.
     split_decode: launch a mixed step's leading decode sequences (meta.decode_seqs) apart from the rest, each
-    with the launch shape chosen for it (None: SPLIT_MIXED_STEPS unless a config is given)."""
+    with the launch shape chosen for it (None: the worker's kernel_shapes say, `split_mixed`, unless a config is
+    given; off by default until the H200 says it pays: gpu_proof's attention_mixed section)."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     device = q.device
     check_tensor("k_buf", k_buf, ndim=2, dtypes=FLOAT_DTYPES, device=device)
@@ -210,7 +211,7 @@ def attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, meta: A
     if num_tokens == 0 or num_seqs == 0:
         return out
     if split_decode is None:
-        split_decode = SPLIT_MIXED_STEPS and config is None
+        split_decode = launch_shapes().split_mixed and config is None
     if split_decode and not meta.decode_only and 0 < meta.decode_seqs < num_seqs:
         # The decode rows in decode-shaped tiles (16 rows, long blocks, split contexts), the prompts in prompt-
         # shaped ones: one launch would give each decode row a whole 64-row tile. Both write their own tokens.

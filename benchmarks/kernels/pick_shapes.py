@@ -1,0 +1,84 @@
+"""The worker.kernel_shapes value the kernel runs favour for one served shape, so a served point can try it in the
+same GPU session: the fastest served decode attention shape (gpu_proof's attention_served, in a pool of a
+served size), a mixed step's decode rows apart (attention_mixed) and expand's column-tile order
+(graph_live_segments --plans shapes), each only where it beat the kernels' own choice by `--min-gain`.
+
+    python -m benchmarks.kernels.pick_shapes --proof out/kernels.json --graph gls384_shapes.json --batch 384
+
+Prints the value on stdout (empty when nothing won) and why on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def served_attention(rows: list[dict], model: str, batch: int, min_gain: float) -> tuple[str, str]:
+    """The fastest kernel_shapes value on `batch` sequences of `model` over single-token pages in the largest
+    pool measured, if it beat the chosen launch by min_gain."""
+    rows = [r for r in rows if r["model"] == model and r["batch"] == batch and r.get("slot_run", 1) == 1]
+    if not rows:
+        return "", f"attention: no served row for {model} at batch {batch}"
+    row = max(rows, key=lambda r: r.get("pool_slots", 0))
+    timed = {k[5:-3]: v for k, v in row.items() if k.startswith("ours_") and k.endswith("_us") and k != "ours_us"}
+    if not timed:
+        return "", "attention: no shape timed"
+    words, best = min(timed.items(), key=lambda kv: kv[1])
+    why = f"attention at batch {batch}: {words} {best:.1f} us against {row['ours_us']:.1f}"
+    return (words, why) if best <= (1 - min_gain) * row["ours_us"] else ("", why + ": kept")
+
+
+def mixed_apart(rows: list[dict], model: str, min_gain: float) -> tuple[str, str]:
+    rows = [r for r in rows if r["model"] == model]
+    if not rows:
+        return "", f"mixed steps: no row for {model}"
+    ratio = sum(r["decode_apart_us"] / r["one_launch_us"] for r in rows) / len(rows)
+    why = f"mixed steps: decode rows apart take {ratio:.3f} of one launch's time"
+    return ("split_mixed", why) if ratio <= 1 - min_gain else ("", why + ": kept")
+
+
+def expand_order(rows: list[dict], batch: int, min_gain: float) -> tuple[str, str]:
+    """Expand in column-tile order against the chosen order, summed over the groups at the most adapters."""
+    rows = [r for r in rows if r["batch"] == batch and r["plan"] in ("bound", "bound cf")]
+    if not rows:
+        return "", f"expand: no graph rows at batch {batch}"
+    most = max(r["distinct_adapters"] for r in rows)
+    cost = {plan: sum(r["expand_us"] for r in rows if r["plan"] == plan and r["distinct_adapters"] == most)
+            for plan in ("bound", "bound cf")}
+    why = f"expand at batch {batch}, {most} adapters: column tile first {cost['bound cf']:.1f} us against {cost['bound']:.1f}"
+    return ("expand_cols_first", why) if cost["bound cf"] <= (1 - min_gain) * cost["bound"] else ("", why + ": kept")
+
+
+def pick(proof: dict, graph_rows: list[dict], model: str, batch: int, min_gain: float) -> tuple[str, list[str]]:
+    choices = [served_attention(proof.get("attention_served", []), model, batch, min_gain),
+               mixed_apart(proof.get("attention_mixed", []), model, min_gain)]
+    if graph_rows:
+        choices.append(expand_order(graph_rows, batch, min_gain))
+    words = ",".join(w for w, _ in choices if w)
+    return words, [why for _, why in choices]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--proof", type=Path, required=True, help="gpu_proof's kernels.json")
+    ap.add_argument("--graph", type=Path, help="graph_live_segments --plans shapes output")
+    ap.add_argument("--model", default="llama2-7b")
+    ap.add_argument("--batch", type=int, default=384)
+    ap.add_argument("--min-gain", type=float, default=0.03, help="fraction of the time a shape must save")
+    args = ap.parse_args(argv)
+    proof = json.loads(args.proof.read_text())
+    graph_rows = []
+    if args.graph is not None and args.graph.exists():
+        data = json.loads(args.graph.read_text())
+        graph_rows = data["rows"] if isinstance(data, dict) else data
+    words, reasons = pick(proof, graph_rows, args.model, args.batch, args.min_gain)
+    for why in reasons:
+        print(why, file=sys.stderr)
+    print(words)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The worker setting `kernel_shapes`: changes to the launch shapes the attention and LoRA expand launchers
+choose, so a served point can try a shape the kernel benchmarks favoured before it becomes the default.
+Shapes never change results: each one is tested to give the default launch's output. Parsed here, without
+the kernels, so a launcher can reject a bad value before it starts any process.
+
+Words, comma-separated:
+  attention_block_n=N   context tokens a decode attention program loads at once (default: 128 for head_dim
+                        <= 128): smaller blocks keep more programs resident on a multiprocessor
+  attention_stages=N    pipeline stages of a decode attention program (default 3)
+  attention_warps=N     warps of a decode attention program (default 4)
+  heads_first           attention programs launched KV head first (AttentionConfig.heads_first)
+  split_mixed           a mixed step's decode rows launched apart from its prompts (attention's split_decode)
+  expand_cols_first     LoRA expand programs launched column tile first (ExpandConfig.cols_first)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class LaunchShapes:
+    attention_block_n: int = 0  # 0: the launcher's choice
+    attention_stages: int = 0
+    attention_warps: int = 0
+    heads_first: bool = False
+    split_mixed: bool = False
+    expand_cols_first: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "LaunchShapes":
+        values: dict = {}
+        names = {f.name: f for f in fields(cls)}
+        for word in (w.strip() for w in text.split(",")):
+            if not word:
+                continue
+            name, eq, value = word.partition("=")
+            field = names.get(name)
+            if field is None:
+                raise ValueError(f"kernel_shapes: unknown word {name!r}; known: {', '.join(names)}")
+            if field.type in ("int", int):
+                if not eq or not value.isdigit() or int(value) <= 0 or int(value) & (int(value) - 1):
+                    raise ValueError(f"kernel_shapes: {name} needs a power of two, as {name}=64; got {word!r}")
+                values[name] = int(value)
+            else:
+                if eq:
+                    raise ValueError(f"kernel_shapes: {name} takes no value, got {word!r}")
+                values[name] = True
+        if values.get("attention_block_n", 16) < 16:
+            raise ValueError("kernel_shapes: attention_block_n must be at least 16 (a tl.dot tile)")
+        return cls(**values)

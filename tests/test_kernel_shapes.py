@@ -1,0 +1,80 @@
+"""worker.kernel_shapes: the launch shapes a worker tries in place of the kernels' own choice, read from words and
+refused by name when a word is wrong; the launchers choose them once set."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.config import EngineConfig
+from shared.kernel_shapes import LaunchShapes
+
+
+def test_words_set_the_shapes_they_name():
+    assert LaunchShapes.parse("") == LaunchShapes()
+    assert LaunchShapes.parse("attention_block_n=64, heads_first,attention_stages=4") == \
+        LaunchShapes(attention_block_n=64, attention_stages=4, heads_first=True)
+    assert LaunchShapes.parse("split_mixed,expand_cols_first") == LaunchShapes(split_mixed=True,
+                                                                               expand_cols_first=True)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("heads_last", "unknown word 'heads_last'"),
+    ("attention_block_n=48", "attention_block_n needs a power of two"),
+    ("attention_block_n", "attention_block_n needs a power of two"),
+    ("attention_stages=0", "attention_stages needs a power of two"),
+    ("attention_warps=3", "attention_warps needs a power of two"),
+    ("attention_block_n=8", "attention_block_n must be at least 16"),
+    ("split_mixed=yes", "split_mixed takes no value"),
+])
+def test_a_wrong_word_is_refused_by_name(text, message):
+    with pytest.raises(ValueError, match=message):
+        LaunchShapes.parse(text)
+    # The engine's config refuses it too, before any worker starts.
+    with pytest.raises(ValueError, match="kernel_shapes"):
+        EngineConfig(kernel_shapes=text)
+
+
+def test_the_worker_command_line_refuses_a_wrong_word(tmp_path, capsys):
+    from services.gpu_worker.worker_config import parse_args
+
+    _, engine = parse_args(["--model", str(tmp_path), "--kernel-shapes", "heads_first,split_mixed"])
+    assert engine.kernel_shapes == "heads_first,split_mixed"
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(tmp_path), "--kernel-shapes", "heads_sideways"])
+    assert "unknown word 'heads_sideways'" in capsys.readouterr().err
+
+
+def test_the_launchers_choose_the_shapes_set_and_their_own_again_after():
+    from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
+    from services.gpu_worker.kernels.lora_expand import choose_expand_config
+    from services.gpu_worker.kernels.paged_attention import choose_attention_config
+    from services.gpu_worker.ops.meta import AttnMeta
+
+    def meta(q_lens):
+        n = len(q_lens)
+        return AttnMeta(q_start=torch.zeros(n + 1, dtype=torch.int32), ctx_lens=torch.zeros(n, dtype=torch.int32),
+                        slot_table=torch.zeros(n, 600, dtype=torch.int32), max_q_len=max(q_lens), max_ctx_len=600,
+                        decode_only=max(q_lens) == 1)
+
+    cpu = torch.device("cpu")
+
+    def chosen():
+        decode = choose_attention_config(meta([1] * 8), 8, 4, 128, cpu)
+        prefill = choose_attention_config(meta([1, 300]), 8, 4, 128, cpu)
+        expand = choose_expand_config(256, 3, (4096, 1024, 1024), 4096, 64, cpu, True)
+        return decode, prefill, expand
+
+    own = chosen()
+    assert (own[0].block_n, own[0].num_stages, own[0].heads_first, own[2].cols_first) == (128, 3, False, False)
+    try:
+        set_launch_shapes(LaunchShapes.parse("attention_block_n=64,attention_stages=4,attention_warps=2,heads_first,"
+                                             "expand_cols_first"))
+        decode, prefill, expand = chosen()
+        assert (decode.block_n, decode.num_stages, decode.num_warps, decode.heads_first) == (64, 4, 2, True)
+        # A prompt's blocks are its own choice; its program order follows heads_first.
+        assert (prefill.block_n, prefill.num_stages, prefill.num_warps, prefill.heads_first) == \
+            (own[1].block_n, own[1].num_stages, own[1].num_warps, True)
+        assert expand.cols_first and expand.block_n == own[2].block_n
+    finally:
+        set_launch_shapes(LaunchShapes())
+    assert chosen() == own
