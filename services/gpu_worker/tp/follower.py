@@ -16,9 +16,11 @@ import msgpack
 import torch
 import zmq
 
+from shared.kernel_shapes import LaunchShapes
 from shared.log import configure_logging, get_logger
 from shared.model_config import MODULES
 
+from ..kernels.launch_shapes import set_launch_shapes
 from ..ops import select_backend
 from ..ops.meta import LoraTables
 from ..pool import UnifiedPool
@@ -59,6 +61,8 @@ class Follower:
         spec = self.spec
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # The leader's launch shapes in this rank's process too (the engine sets them in the leader's).
+        set_launch_shapes(LaunchShapes.parse(self.config.kernel_shapes))
         self.weights = load_shard(spec.weights, self.layout, spec.rank, self.dtype, self.device)
         self.channel.send(READY)
         import torch.distributed as dist
