@@ -61,6 +61,10 @@ class EngineConfig:
                                "skipping Triton's per-call argument binding (CUDA; kernels/compiled_launch.py); "
                                "on the H200 it cut an admission step's host launch from 33 to 25 ms but left "
                                "served throughput unchanged (docs/benchmarks.md)", False)
+    kv_slot_run: int = _doc("a request's KV slots are taken from the pool this many at a time, so its context "
+                            "lies in runs of consecutive slots rather than one slot per decode step among the "
+                            "whole batch's; the slots of a run not yet written are the request's until it ends "
+                            "(at most kv_slot_run - 1 a request); 1 = one at a time", 1)
     kernel_shapes: str = _doc("launch shapes to try instead of the kernels' own choice, comma-separated: "
                               "attention_block_n=N, attention_stages=N, heads_first, split_mixed, expand_cols_first "
                               "(shared/kernel_shapes.py; each gives the same results); empty = the kernels' choice",
@@ -110,6 +114,8 @@ class EngineConfig:
         if isinstance(self.admission_wait_s, bool) or not isinstance(self.admission_wait_s, (int, float)) \
                 or not self.admission_wait_s >= 0:
             raise ValueError(f"admission_wait_s must be a number of seconds >= 0, got {self.admission_wait_s!r}")
+        if isinstance(self.kv_slot_run, bool) or not isinstance(self.kv_slot_run, int) or not 1 <= self.kv_slot_run <= 256:
+            raise ValueError(f"kv_slot_run must be an integer from 1 to 256, got {self.kv_slot_run!r}")
         if not isinstance(self.kernel_shapes, str):
             raise ValueError(f"kernel_shapes must be a comma-separated string, got {self.kernel_shapes!r}")
         LaunchShapes.parse(self.kernel_shapes)

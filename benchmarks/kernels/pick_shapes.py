@@ -5,7 +5,8 @@ served size), a mixed step's decode rows apart (attention_mixed) and expand's co
 
     python -m benchmarks.kernels.pick_shapes --proof out/kernels.json --graph gls384_shapes.json --batch 384
 
-Prints the value on stdout (empty when nothing won) and why on stderr.
+Prints the value on stdout (empty when nothing won) and why on stderr; with --slot-run, the worker.kv_slot_run
+whose pool layout the served rows read fastest (1 unless runs of slots won).
 """
 from __future__ import annotations
 
@@ -28,6 +29,21 @@ def served_attention(rows: list[dict], model: str, batch: int, min_gain: float) 
     words, best = min(timed.items(), key=lambda kv: kv[1])
     why = f"attention at batch {batch}: {words} {best:.1f} us against {row['ours_us']:.1f}"
     return (words, why) if best <= (1 - min_gain) * row["ours_us"] else ("", why + ": kept")
+
+
+def slot_run(rows: list[dict], model: str, batch: int, min_gain: float) -> tuple[int, str]:
+    """The worker.kv_slot_run whose layout the served rows read fastest with the chosen launch: runs of
+    consecutive slots against single-token pages, both in the largest pool measured."""
+    rows = [r for r in rows if r["model"] == model and r["batch"] == batch]
+    if not rows:
+        return 1, f"slot runs: no served row for {model} at batch {batch}"
+    pool = max(r.get("pool_slots", 0) for r in rows)
+    by_run = {r.get("slot_run", 1): r["ours_us"] for r in rows if r.get("pool_slots", 0) == pool}
+    if 1 not in by_run or len(by_run) < 2:
+        return 1, "slot runs: no layouts to compare"
+    run, best = min(by_run.items(), key=lambda kv: kv[1])
+    why = f"slot runs at batch {batch}: runs of {run} {best:.1f} us against single slots {by_run[1]:.1f}"
+    return (run, why) if best <= (1 - min_gain) * by_run[1] else (1, why + ": kept")
 
 
 def mixed_apart(rows: list[dict], model: str, min_gain: float) -> tuple[str, str]:
@@ -67,8 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--batch", type=int, default=384)
     ap.add_argument("--min-gain", type=float, default=0.03, help="fraction of the time a shape must save")
+    ap.add_argument("--slot-run", action="store_true",
+                    help="print the worker.kv_slot_run value the served rows favour instead")
     args = ap.parse_args(argv)
     proof = json.loads(args.proof.read_text())
+    if args.slot_run:
+        run, why = slot_run(proof.get("attention_served", []), args.model, args.batch, args.min_gain)
+        print(why, file=sys.stderr)
+        print(run)
+        return 0
     graph_rows = []
     if args.graph is not None and args.graph.exists():
         data = json.loads(args.graph.read_text())

@@ -259,17 +259,20 @@ class Engine:
         # Evicting unused adapters for the KV slots, as the host's scheduler would: with many adapters the
         # pool is full of cached ones. Safe while `flight` runs: whatever this step writes into their slots
         # queues behind it on the compute stream, and an adapter copy's scatter waits for it as well.
-        if not self.adapters.evict_until(len(seqs) + sum(n for _, n in chunks)):
+        need = sum(self._slots_needed(seq, 1) for seq in seqs) + sum(self._slots_needed(seq, n) for seq, n in chunks)
+        if not self.adapters.evict_until(need):
             self.held_back["slots"] += 1
             return None
+        # Slots go out below all at once, checked once here: runs only if every request's whole run fits.
+        runs = self.pool.allocator.can_allocate(need + (self.config.kv_slot_run - 1) * (len(seqs) + len(chunks)))
         if admit:
             for seq in ending:
                 self._leave_early(seq)
         for seq in seqs:
             seq.tokens.append(PENDING_TOKEN)
-            self._give_slots(seq, 1)
+            self._give_slots(seq, 1, runs)
         for seq, n in chunks:
-            self._give_slots(seq, n)
+            self._give_slots(seq, n, runs)
         # Prompt tokens follow the decode rows, whose input tokens are still on the device: the host schedules
         # and launches this eager step while the GPU runs `flight`, instead of after it.
         scheduled = [(seq, 1) for seq in seqs] + chunks
@@ -365,7 +368,9 @@ class Engine:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.remaining, budget)
-            while not alloc.can_allocate(n) and not self.adapters.evict_until(n) and i < len(self.running):
+            need = self._slots_needed(seq, n)
+            while (not alloc.can_allocate(need) and not self.adapters.evict_until(need)
+                   and not self._reclaim_spare_slots(need, keep=seq) and i < len(self.running)):
                 self._preempt_newest()
             if i == len(self.running):
                 break  # seq itself was the newest and is now back in the waiting queue
@@ -407,7 +412,10 @@ class Engine:
                 continue
             # Admit only what fits now (evicting unused adapters if needed): a request never holds an
             # adapter's slots while it waits.
-            if not self.adapters.can_make_room(need, keep=name):
+            fits = self.adapters.can_make_room(need, keep=name)
+            if not fits and self._reclaim_spare_slots():
+                fits = self.adapters.can_make_room(need, keep=name)
+            if not fits:
                 if not self.running:
                     del self.waiting[i]
                     self._fail(seq, f"request needs {need} slots (KV and adapter); the pool has {self.pool.num_slots}")
@@ -463,8 +471,39 @@ class Engine:
             return True
         return time.monotonic() - min(seq.queued_at for seq in self.waiting) >= wait_s
 
-    def _give_slots(self, seq: Sequence, n: int) -> None:
-        new = self.pool.allocator.allocate(n)
+    @staticmethod
+    def _slots_needed(seq: Sequence, n: int) -> int:
+        """Slots the pool must have free for n more of seq's tokens (its spare ones come first)."""
+        return max(0, n - len(seq.spare_slots))
+
+    def _reclaim_spare_slots(self, need: int | None = None, keep: Sequence | None = None) -> bool:
+        """Give running requests' spare slots (but keep's, whose need counted them) back to the pool, newest
+        request first, until `need` are free (None: all of them): the cheapest memory there is to free before
+        preempting. Whether `need` are free now (None: whether any were given back)."""
+        alloc = self.pool.allocator
+        given = False
+        for seq in reversed(self.running):
+            if need is not None and alloc.can_allocate(need):
+                break
+            if seq.spare_slots and seq is not keep:
+                alloc.free(seq.spare_slots)
+                seq.spare_slots = []
+                given = True
+        return given if need is None else alloc.can_allocate(need)
+
+    def _give_slots(self, seq: Sequence, n: int, runs: bool = True) -> None:
+        """n more KV slots for seq: its spare ones first, then from the pool, rounded up to a whole run of
+        kv_slot_run where the pool has that many free (the rest kept as spare); callers check that n fit, and
+        one giving several requests slots after a single check passes `runs` (whether all their runs fit)."""
+        new = seq.spare_slots[:n]
+        del seq.spare_slots[:n]
+        need = n - len(new)
+        if need:
+            alloc = self.pool.allocator
+            extra = -(len(seq.slots) + n) % self.config.kv_slot_run if runs else 0
+            taken = alloc.allocate(need + extra if alloc.can_allocate(need + extra) else need)
+            new += taken[:need]
+            seq.spare_slots = taken[need:]
         self.page_table.append(seq.row, len(seq.slots), new)
         seq.slots += new
 
@@ -478,9 +517,9 @@ class Engine:
         self.waiting.appendleft(seq)
 
     def _release_slots(self, seq: Sequence) -> None:
-        if seq.slots:
-            self.pool.allocator.free(seq.slots)
-            seq.slots = []
+        if seq.slots or seq.spare_slots:
+            self.pool.allocator.free(seq.slots + seq.spare_slots)
+            seq.slots, seq.spare_slots = [], []
         if seq.row is not None:
             self.page_table.release_row(seq.row)
             seq.row = None

@@ -43,6 +43,9 @@ class Sequence:
         self.tokens = list(req.prompt_ids)
         self.prompt_len = len(req.prompt_ids)
         self.slots: list[int] = []
+        # Slots taken from the pool for this request's next tokens and not yet given to any (kv_slot_run): its
+        # context then lies in runs of consecutive slots. Freed with the rest.
+        self.spare_slots: list[int] = []
         self.row: int | None = None  # page-table row while running
         self.num_computed = 0
         self.adapter: Resident | None = None

@@ -94,3 +94,20 @@ def test_the_shapes_picked_are_those_that_beat_the_kernels_own_choice(tmp_path, 
     # No llama3 row at 384: the attention keeps its choice; mixed steps lost; expand's 2% now counts.
     assert out.out.strip() == "expand_cols_first"
     assert "no served row for llama3-8b at batch 384" in out.err
+
+
+def test_slot_runs_are_picked_only_where_their_layout_read_faster(tmp_path, capsys):
+    from benchmarks.kernels.pick_shapes import main
+
+    def row(run, pool, us):
+        return {"model": "llama2-7b", "batch": 384, "slot_run": run, "pool_slots": pool, "ours_us": us}
+
+    proof = {"attention_served": [row(1, 500, 50.0), row(1, 219_000, 100.0), row(16, 219_000, 90.0)]}
+    (tmp_path / "kernels.json").write_text(json.dumps(proof))
+    args = ["--proof", str(tmp_path / "kernels.json"), "--slot-run"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    # Compared in the served pool's size only: the batch's own small pool is faster still, but not a choice.
+    assert out.out.strip() == "16" and "runs of 16 90.0 us against single slots 100.0" in out.err
+    assert main(args + ["--min-gain", "0.2"]) == 0
+    assert capsys.readouterr().out.strip() == "1"
