@@ -37,11 +37,11 @@ LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv",
 # (VARIANT_SETTINGS): read_lines adds them as `batch` and `variant`.
 SERIES_KEYS = GROUP_KEYS + ("batch", "variant")
 # Settings a sweep sets to try a change of the server's behaviour on points other sweeps measure as shipped
-# (bench/sweeps/s2-batch384-wait.yaml, -overlap.yaml, -direct.yaml). A line run with one is a variant of its
-# point: it neither replaces the point's line nor counts for the targets, and the figures draw it as a line of
-# its own.
+# (bench/sweeps/s2-batch384-wait.yaml, -overlap.yaml, -direct.yaml; launch shapes and slot runs a kernel run
+# favoured, benchmarks/kernels/pick_shapes.py). A line run with one is a variant of its point: it neither
+# replaces the point's line nor counts for the targets, and the figures draw it as a line of its own.
 VARIANT_SETTINGS = ("worker.admission_wait_s", "worker.overlap_steps", "worker.overlap_admission",
-                    "worker.direct_launch")
+                    "worker.direct_launch", "worker.kernel_shapes", "worker.kv_slot_run")
 DEFAULT_VARIANT = "as shipped"  # the label of the lines run without any of them, where a figure holds both
 
 

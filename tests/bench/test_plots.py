@@ -277,3 +277,7 @@ def test_a_variant_names_every_setting_it_tried_and_ignores_the_others():
     assert variant_of({"stack_command": command}) == "overlap_steps=true admission_wait_s=0.5"
     assert variant_of({"stack_command": "python3 -m shared.cli up --set worker.max_running_requests=384"}) == ""
     assert variant_of({}) == ""  # a line from a server without a stack command (the PEFT baseline's own)
+    # A launch shape's value holds '=' itself.
+    shaped = ("python3 -m shared.cli up --set worker.kernel_shapes=attention_block_n=64,split_mixed "
+              "--set worker.kv_slot_run=16 --set worker.max_running_requests=384")
+    assert variant_of({"stack_command": shaped}) == "kernel_shapes=attention_block_n=64,split_mixed kv_slot_run=16"
