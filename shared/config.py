@@ -66,7 +66,8 @@ class EngineConfig:
                             "whole batch's; the slots of a run not yet written are the request's until it ends "
                             "(at most kv_slot_run - 1 a request); 1 = one at a time", 1)
     kernel_shapes: str = _doc("launch shapes to try instead of the kernels' own choice, comma-separated: "
-                              "attention_block_n=N, attention_stages=N, heads_first, split_mixed, expand_cols_first "
+                              "attention_block_n=N, attention_stages=N, attention_warps=N, heads_first, split_mixed, "
+                              "expand_cols_first "
                               "(shared/kernel_shapes.py; each gives the same results); empty = the kernels' choice",
                               "")
     cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)

@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.kernels.report import variant_times
+
 
 def served_attention(rows: list[dict], model: str, batch: int, min_gain: float) -> tuple[str, str]:
     """The fastest kernel_shapes value on `batch` sequences of `model` over single-token pages in the largest
@@ -23,7 +25,7 @@ def served_attention(rows: list[dict], model: str, batch: int, min_gain: float) 
     if not rows:
         return "", f"attention: no served row for {model} at batch {batch}"
     row = max(rows, key=lambda r: r.get("pool_slots", 0))
-    timed = {k[5:-3]: v for k, v in row.items() if k.startswith("ours_") and k.endswith("_us") and k != "ours_us"}
+    timed = variant_times(row)
     if not timed:
         return "", "attention: no shape timed"
     words, best = min(timed.items(), key=lambda kv: kv[1])

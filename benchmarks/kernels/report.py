@@ -21,6 +21,16 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def variant_times(row: dict) -> dict[str, float]:
+    """A timed row's variants and their microseconds: its `ours_<variant>_us` keys beside the chosen launch's
+    `ours_us`."""
+    return {k[5:-3]: v for k, v in row.items() if k.startswith("ours_") and k.endswith("_us") and k != "ours_us"}
+
+
+def _variants(row: dict, fmt: str) -> str:
+    return ", ".join(f"{name} {fmt.format(us)}" for name, us in variant_times(row).items()) or "-"
+
+
 def write_tables(res: dict) -> str:
     env = res.get("env", {})
     hbm = res.get("ceilings", {}).get("copy_gbs")
@@ -56,11 +66,9 @@ def write_tables(res: dict) -> str:
         rows = []
         for r in res["attention_served"]:
             pct = 100 * r["ours_gbs"] / hbm if hbm else None
-            variants = ", ".join(f"{k[5:-3]} {v:.1f}" for k, v in r.items()
-                                 if k.startswith("ours_") and k.endswith("_us") and k != "ours_us")
             rows.append([r["model"], r["batch"], _f(r["context_mean"], "{:.0f}"), r["context_max"], r["slot_run"],
                          r["pool_slots"], _f(r["kv_bytes"] / 1e6, "{:.0f}"), _f(r["ours_us"]),
-                         _f(r["ours_gbs"], "{:.0f}"), _f(pct, "{:.0f}%"), variants or "-"])
+                         _f(r["ours_gbs"], "{:.0f}"), _f(pct, "{:.0f}%"), _variants(r, "{:.1f}")])
         parts.append(_table(["model", "batch", "mean context", "longest", "slot run", "pool slots", "KV MB", "ours µs",
                              "ours GB/s", "% HBM", "variants (µs)"], rows))
     if "attention_mixed" in res:
@@ -74,12 +82,10 @@ def write_tables(res: dict) -> str:
         rows = []
         for r in res["attention"]:
             pct = 100 * r["ours_gbs"] / hbm if hbm else None
-            variants = ", ".join(f"{k[5:-3]} {v:.0f}" for k, v in r.items()
-                                 if k.startswith("ours_") and k.endswith("_us") and k != "ours_us")
             rows.append([r["model"], r["batch"], r["context"], _f(r["kv_bytes"] / 1e6, "{:.0f}"), _f(r["ours_us"]),
                          _f(r["ours_gbs"], "{:.0f}"), _f(pct, "{:.0f}%"), _f(r.get("sdpa_us")),
                          _f(r.get("sdpa_gbs"), "{:.0f}"), _f(r.get("rel_err_vs_sdpa_fp32"), "{:.1e}"),
-                         variants or "-"])
+                         _variants(r, "{:.0f}")])
         parts.append(_table(["model", "batch", "context", "KV MB", "ours µs", "ours GB/s", "% HBM", "SDPA µs",
                              "SDPA GB/s", "rel. err vs fp32", "variants (µs)"], rows))
     if "prefill" in res:

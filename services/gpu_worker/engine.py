@@ -264,7 +264,8 @@ class Engine:
             self.held_back["slots"] += 1
             return None
         # Slots go out below all at once, checked once here: runs only if every request's whole run fits.
-        runs = self.pool.allocator.can_allocate(need + (self.config.kv_slot_run - 1) * (len(seqs) + len(chunks)))
+        run = self.config.kv_slot_run
+        runs = run > 1 and self.pool.allocator.can_allocate(need + (run - 1) * (len(seqs) + len(chunks)))
         if admit:
             for seq in ending:
                 self._leave_early(seq)
@@ -481,6 +482,8 @@ class Engine:
         request first, until `need` are free (None: all of them): the cheapest memory there is to free before
         preempting. Whether `need` are free now (None: whether any were given back)."""
         alloc = self.pool.allocator
+        if self.config.kv_slot_run == 1:
+            return False  # nobody holds spare slots; callers only ask when `need` are not free
         given = False
         for seq in reversed(self.running):
             if need is not None and alloc.can_allocate(need):
@@ -495,13 +498,17 @@ class Engine:
         """n more KV slots for seq: its spare ones first, then from the pool, rounded up to a whole run of
         kv_slot_run where the pool has that many free (the rest kept as spare); callers check that n fit, and
         one giving several requests slots after a single check passes `runs` (whether all their runs fit)."""
-        new = seq.spare_slots[:n]
-        del seq.spare_slots[:n]
+        new: list[int] = []
+        if seq.spare_slots:
+            new = seq.spare_slots[:n]
+            del seq.spare_slots[:n]
         need = n - len(new)
         if need:
             alloc = self.pool.allocator
             extra = -(len(seq.slots) + n) % self.config.kv_slot_run if runs else 0
-            taken = alloc.allocate(need + extra if alloc.can_allocate(need + extra) else need)
+            if extra and not alloc.can_allocate(need + extra):
+                extra = 0
+            taken = alloc.allocate(need + extra)
             new += taken[:need]
             seq.spare_slots = taken[need:]
         self.page_table.append(seq.row, len(seq.slots), new)
