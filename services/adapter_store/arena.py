@@ -59,6 +59,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def unlink_stale_segment(name: str) -> bool:
+    """Remove a shared-memory segment left by a process killed before anyone unlinked it; True if one was
+    there. Only for names no live process can hold, such as one made of the caller's own pid: a store killed
+    with its launcher leaves `loraplex-arena-<pid>` behind, and a later store given that pid could not start."""
+    try:
+        stale = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return False
+    stale.close()
+    stale.unlink()
+    return True
+
+
 class Arena:
     def __init__(self, nbytes: int, name: str = ""):
         if nbytes < ARENA_ALIGN:

@@ -27,7 +27,7 @@ from shared.wire import (
     ReleaseAdapter, ReleaseWorker, StoreError, WarmAdapters, WireError, decode, encode,
 )
 
-from .arena import Arena
+from .arena import Arena, unlink_stale_segment
 from .blobs import BlobStore
 from .config import StoreConfig
 from .errors import StoreRefusal
@@ -62,7 +62,12 @@ class StoreService:
         registry.wait_until_reachable(REDIS_WAIT_S)
         if cfg.require_durable_redis:
             registry.check_durable()
-        self.arena = Arena(cfg.arena_bytes, cfg.arena_name or f"loraplex-arena-{os.getpid()}")
+        arena_name = cfg.arena_name
+        if not arena_name:
+            arena_name = f"loraplex-arena-{os.getpid()}"  # our pid: a segment by this name is a dead store's
+            if unlink_stale_segment(arena_name):
+                log.warning("arena.stale_segment_removed", segment=arena_name)
+        self.arena = Arena(cfg.arena_bytes, arena_name)
         self.store = AdapterStore(cfg, registry, BlobStore(cfg.data_dir), self.arena, model)
         self.offloads = {"register": Offload(cfg.registration_threads, "register"),
                          "load": Offload(cfg.load_threads, "load")}

@@ -234,3 +234,20 @@ def test_reader_view_in_this_process_is_zero_copy(arena):
     assert rows.reshape(-1)[0].item() == 0.0
     del rows
     shm.close()
+
+
+def test_a_segment_a_killed_store_left_behind_is_removed_so_its_name_serves_again():
+    from services.adapter_store.arena import unlink_stale_segment
+
+    name = f"loraplex-test-{uuid.uuid4().hex[:12]}"
+    left = shared_memory.SharedMemory(name=name, create=True, size=1 << 16)
+    left.close()  # its process gone without unlinking it
+    with pytest.raises(FileExistsError):
+        Arena(1 << 20, name)
+    assert unlink_stale_segment(name) is True
+    arena = Arena(1 << 20, name)
+    try:
+        assert arena.name.lstrip("/") == name and arena.capacity >= 1 << 16
+        assert unlink_stale_segment(f"{name}-none") is False
+    finally:
+        arena.close()
