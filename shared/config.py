@@ -67,7 +67,7 @@ class EngineConfig:
                             "(at most kv_slot_run - 1 a request); 1 = one at a time", 1)
     kernel_shapes: str = _doc("launch shapes to try instead of the kernels' own choice, comma-separated: "
                               "attention_block_n=N, attention_stages=N, attention_warps=N, heads_first, split_mixed, "
-                              "expand_cols_first "
+                              "expand_cols_first; no_heads_first and no_split_mixed turn off those on by default "
                               "(shared/kernel_shapes.py; each gives the same results); empty = the kernels' choice",
                               "")
     cuda_graph_max_batch: int = _doc("largest decode batch replayed from a graph; bigger ones run eagerly", 256)

@@ -8,9 +8,14 @@ Words, comma-separated:
                         <= 128): smaller blocks keep more programs resident on a multiprocessor
   attention_stages=N    pipeline stages of a decode attention program (default 3)
   attention_warps=N     warps of a decode attention program (default 4)
-  heads_first           attention programs launched KV head first (AttentionConfig.heads_first)
-  split_mixed           a mixed step's decode rows launched apart from its prompts (attention's split_decode)
+  heads_first           attention programs launched KV head first (AttentionConfig.heads_first); on by default
+  split_mixed           a mixed step's decode rows launched apart from its prompts (attention's split_decode);
+                        on by default
   expand_cols_first     LoRA expand programs launched column tile first (ExpandConfig.cols_first)
+  no_<word>             turns off a word that is on by default, as no_split_mixed
+
+heads_first and split_mixed are on because the H200 measured them faster (docs/benchmarks.md, 2026-12-04 13:11):
+decode attention 0.5-3.9% in all twelve served shapes, a mixed step's attention in 0.55-0.64 of one launch's time.
 """
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ class LaunchShapes:
     attention_block_n: int = 0  # 0: the launcher's choice
     attention_stages: int = 0
     attention_warps: int = 0
-    heads_first: bool = False
-    split_mixed: bool = False
+    heads_first: bool = True
+    split_mixed: bool = True
     expand_cols_first: bool = False
 
     @classmethod
@@ -34,6 +39,9 @@ class LaunchShapes:
             if not word:
                 continue
             name, eq, value = word.partition("=")
+            on = True
+            if name.startswith("no_") and name[3:] in names and names[name[3:]].type in ("bool", bool):
+                name, on = name[3:], False
             field = names.get(name)
             if field is None:
                 raise ValueError(f"kernel_shapes: unknown word {name!r}; known: {', '.join(names)}")
@@ -44,7 +52,7 @@ class LaunchShapes:
             else:
                 if eq:
                     raise ValueError(f"kernel_shapes: {name} takes no value, got {word!r}")
-                values[name] = True
+                values[name] = on
         if values.get("attention_block_n", 16) < 16:
             raise ValueError("kernel_shapes: attention_block_n must be at least 16 (a tl.dot tile)")
         return cls(**values)

@@ -17,6 +17,14 @@ def test_words_set_the_shapes_they_name():
                                                                                expand_cols_first=True)
 
 
+def test_the_shapes_the_h200_favoured_are_on_by_default_and_no_words_turn_them_off():
+    assert LaunchShapes() == LaunchShapes.parse("heads_first,split_mixed")
+    assert LaunchShapes().heads_first and LaunchShapes().split_mixed and not LaunchShapes().expand_cols_first
+    off = LaunchShapes.parse("no_heads_first, no_split_mixed")
+    assert not off.heads_first and not off.split_mixed and off == LaunchShapes(heads_first=False, split_mixed=False)
+    assert LaunchShapes.parse("no_expand_cols_first,expand_cols_first").expand_cols_first
+
+
 @pytest.mark.parametrize("text, message", [
     ("heads_last", "unknown word 'heads_last'"),
     ("attention_block_n=48", "attention_block_n needs a power of two"),
@@ -25,6 +33,8 @@ def test_words_set_the_shapes_they_name():
     ("attention_warps=3", "attention_warps needs a power of two"),
     ("attention_block_n=8", "attention_block_n must be at least 16"),
     ("split_mixed=yes", "split_mixed takes no value"),
+    ("no_split_mixed=yes", "split_mixed takes no value"),
+    ("no_attention_block_n=64", "unknown word 'no_attention_block_n'"),
 ])
 def test_a_wrong_word_is_refused_by_name(text, message):
     with pytest.raises(ValueError, match=message):
@@ -65,15 +75,17 @@ def test_the_launchers_choose_the_shapes_set_and_their_own_again_after():
         return decode, prefill, expand
 
     own = chosen()
-    assert (own[0].block_n, own[0].num_stages, own[0].heads_first, own[2].cols_first) == (128, 3, False, False)
+    # Heads first is the default order (kernel_shapes' heads_first is on unless no_heads_first).
+    assert (own[0].block_n, own[0].num_stages, own[0].heads_first, own[2].cols_first) == (128, 3, True, False)
+    assert own[1].heads_first
     try:
-        set_launch_shapes(LaunchShapes.parse("attention_block_n=64,attention_stages=4,attention_warps=2,heads_first,"
-                                             "expand_cols_first"))
+        set_launch_shapes(LaunchShapes.parse("attention_block_n=64,attention_stages=4,attention_warps=2,"
+                                             "no_heads_first,expand_cols_first"))
         decode, prefill, expand = chosen()
-        assert (decode.block_n, decode.num_stages, decode.num_warps, decode.heads_first) == (64, 4, 2, True)
+        assert (decode.block_n, decode.num_stages, decode.num_warps, decode.heads_first) == (64, 4, 2, False)
         # A prompt's blocks are its own choice; its program order follows heads_first.
         assert (prefill.block_n, prefill.num_stages, prefill.num_warps, prefill.heads_first) == \
-            (own[1].block_n, own[1].num_stages, own[1].num_warps, True)
+            (own[1].block_n, own[1].num_stages, own[1].num_warps, False)
         assert expand.cols_first and expand.block_n == own[2].block_n
     finally:
         set_launch_shapes(LaunchShapes())

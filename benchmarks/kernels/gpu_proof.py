@@ -52,10 +52,10 @@ SERVED_LAYOUTS = ((1, 0), (1, 219_000), (16, 219_000))
 SMOKE_LAYOUTS = ((1, 0), (4, 200))
 # worker.kernel_shapes values timed on the served decode batches. Programs of a served step walk ~400 tokens
 # each: smaller blocks keep two or more programs resident on a multiprocessor, so one's first loads overlap
-# another's last; heads first has programs side by side read the same slots' rows.
+# another's last; heads first (the default) has programs side by side read the same slots' rows.
 SERVED_SHAPES = ("attention_block_n=64", "attention_block_n=64,attention_stages=4",
-                 "attention_block_n=32,attention_stages=4", "attention_block_n=64,attention_warps=2", "heads_first",
-                 "heads_first,attention_block_n=64")
+                 "attention_block_n=32,attention_stages=4", "attention_block_n=64,attention_warps=2", "no_heads_first",
+                 "no_heads_first,attention_block_n=64")
 
 
 def main() -> None:
@@ -79,8 +79,9 @@ def main() -> None:
     def attention_variants(c):
         return {"block_n 64": replace(c, block_n=64), "stages 2": replace(c, num_stages=2),
                 "split x2": replace(c, n_split=c.n_split * 2), "split /2": replace(c, n_split=max(1, c.n_split // 2)),
-                "warps 8": replace(c, num_warps=8), "heads first": replace(c, heads_first=True),
-                "heads first split /2": replace(c, heads_first=True, n_split=max(1, c.n_split // 2))}
+                "warps 8": replace(c, num_warps=8), "heads order flipped": replace(c, heads_first=not c.heads_first),
+                "heads order flipped split /2": replace(c, heads_first=not c.heads_first,
+                                                        n_split=max(1, c.n_split // 2))}
 
     sections = {
         "ceilings": lambda: {"copy_gbs": ceilings.copy_bandwidth_gbs(), "matmul_tflops": ceilings.matmul_tflops()},
