@@ -39,6 +39,9 @@ def main() -> int:
                                                          max_lora_rank=64,
                                                          max_running_requests=args.batch, max_batched_tokens=8192,
                                                          cuda_graphs=args.graphs,
+                                                         # served batches (384, 512) run past the default 256
+                                                         cuda_graph_max_batch=max(args.batch,
+                                                                                  EngineConfig.cuda_graph_max_batch),
                                                          cuda_graph_few_adapters=args.few_adapters,
                                                          overlap_steps=False))  # one step profiled at a time
     ranks = (8, 16, 32, 64)
