@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import functools
+import hashlib
 import json
 import os
 import shlex
@@ -67,9 +69,34 @@ def gpu_name() -> str:
     return _first_gpu("name") or "cpu"
 
 
+REPO = Path(__file__).resolve().parent.parent
+SERVER_PACKAGES = ("services", "shared")
+
+
+def code_fingerprint(root: Path) -> str | None:
+    """A fingerprint of the server's source under `root` (every .py under services/ and shared/, by path and
+    content): two lines with the same one were served by the same code, wherever it ran (a GPU host's copy has
+    no git history). None where the packages are absent."""
+    files = sorted(f for pkg in SERVER_PACKAGES for f in (root / pkg).rglob("*.py") if "__pycache__" not in f.parts)
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def server_code() -> str | None:
+    """This checkout's fingerprint: the stacks a sweep starts run the packages beside bench/."""
+    return code_fingerprint(REPO)
+
+
 def versions() -> dict:
-    """torch, triton and NVIDIA driver versions of the bench host (None where absent)."""
-    out: dict = {"torch_version": None, "triton_version": None, "driver_version": _first_gpu("driver_version")}
+    """torch, triton and NVIDIA driver versions of the bench host (None where absent), and the server code's
+    fingerprint."""
+    out: dict = {"torch_version": None, "triton_version": None, "driver_version": _first_gpu("driver_version"),
+                 "server_code": server_code()}
     try:
         import torch
 

@@ -10,7 +10,9 @@ saturation points (cv = 1, alpha = 1, early abort) at the highest rate measured,
 "measured in the same run": both lines must carry the same `run` (bench/driver.py), or its status says they
 do not. Lines that tried a server setting on the points (`variant`, plots.VARIANT_SETTINGS) are not the server as
 it ships and are left out. Two loraplex points run at different running batches (`batch`, which read_lines takes from the line's
-`roofline_batch`, set by a sweep's worker.max_running_requests) are not compared: the status says so.
+`roofline_batch`, set by a sweep's worker.max_running_requests) are not compared: the status says so. A ratio
+of two lines whose `server_code` (bench/point.py: the server source's fingerprint) differs says so too: a
+change to the server between the points moves the ratio as much as the adapters do.
 """
 from __future__ import annotations
 
@@ -96,6 +98,9 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
             status = "missed, beyond the roofline"
     if same_run and not one_run(a, b):
         status += ", but not from one run"
+    if a.get("server_code") and b.get("server_code") and a["server_code"] != b["server_code"]:
+        # A change to the server between the points moves the ratio as much as the adapters do.
+        status += f", but served by different code ({a['server_code']}, {b['server_code']})"
     if b["system"] not in ("peft", "merge") and a["batch"] != b["batch"]:
         # A larger running batch shares a step's fixed part (weights, adapters' rows) among more tokens:
         # two points at different caps measure the caps as much as the adapters.

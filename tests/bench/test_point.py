@@ -87,3 +87,27 @@ def test_default_command_is_this_process(core_stack):
 def test_spec_rejects_a_warmup_past_the_run():
     with pytest.raises(ValueError, match="warmup_s"):
         PointSpec("tiny", "loraplex", 4, 1.0, 1.0, 1.0, "fcfs", duration_s=10.0, warmup_s=10.0, seed=0)
+
+
+def test_the_server_code_fingerprint_follows_the_source_and_nothing_else(tmp_path):
+    from bench.point import code_fingerprint, server_code, versions
+
+    assert code_fingerprint(tmp_path) is None  # no server packages here
+    (tmp_path / "services" / "gateway").mkdir(parents=True)
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "services" / "gateway" / "app.py").write_text("A = 1\n")
+    (tmp_path / "shared" / "config.py").write_text("B = 2\n")
+    first = code_fingerprint(tmp_path)
+    assert len(first) == 12 and int(first, 16) >= 0
+    (tmp_path / "shared" / "notes.txt").write_text("not code")
+    (tmp_path / "shared" / "__pycache__").mkdir()
+    (tmp_path / "shared" / "__pycache__" / "config.py").write_text("compiled leftovers")
+    assert code_fingerprint(tmp_path) == first
+    (tmp_path / "shared" / "config.py").write_text("B = 3\n")
+    assert code_fingerprint(tmp_path) not in (None, first)
+    (tmp_path / "shared" / "config.py").write_text("B = 2\n")
+    assert code_fingerprint(tmp_path) == first
+    (tmp_path / "shared" / "config.py").rename(tmp_path / "shared" / "settings.py")
+    assert code_fingerprint(tmp_path) != first  # a file's path is part of the code
+    # Every point line carries this checkout's.
+    assert versions()["server_code"] == server_code() and len(server_code()) == 12

@@ -141,3 +141,17 @@ def test_a_line_that_tried_a_server_setting_does_not_count_for_the_targets(tmp_p
     ])
     assert saturation_points([path])[("S2", "loraplex", 2000)]["throughput_rps"] == 27.3
     assert {x.target: x for x in verdicts([path])}["S2 n = 2000 ≥ 30 req/s"].measured.startswith("27.3 req/s")
+
+
+def test_a_ratio_of_points_served_by_different_code_says_so(tmp_path):
+    sat = tmp_path / "s2-saturation.jsonl"
+    write(sat, [line("loraplex", 2000, 28.5, 41.1, server_code="aaaaaaaaaaaa"),
+                line("loraplex", 5, 30.1, 48.2, server_code="bbbbbbbbbbbb"),
+                line("loraplex", 100, 31.3, 47.0, server_code="aaaaaaaaaaaa"),
+                line("base-only", 100, 32.3, 48.9, server_code="aaaaaaaaaaaa")])
+    v = {x.target: x for x in verdicts([str(sat)])}
+    assert v["S2 n = 2000 ≥ 0.9 × n = 5"].status == "met, but served by different code (aaaaaaaaaaaa, bbbbbbbbbbbb)"
+    # Same code, or a line from before lines carried it: nothing to say.
+    assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "met"
+    write(sat, [line("loraplex", 2000, 28.5, 41.1, server_code="aaaaaaaaaaaa"), line("loraplex", 5, 30.1, 48.2)])
+    assert {x.target: x for x in verdicts([str(sat)])}["S2 n = 2000 ≥ 0.9 × n = 5"].status == "met"
