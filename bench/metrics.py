@@ -165,12 +165,23 @@ class _CounterDelta:
             self.last[worker] = value
 
 
+def _smi_row(line: str) -> tuple[float, float, float | None]:
+    """memory.used, memory.total (MiB) and utilization.gpu (%) of one GPU; utilization is None where the
+    driver does not report it ("[N/A]", as under MIG)."""
+    used, total, busy = (v.strip() for v in line.split(","))
+    try:
+        util = float(busy)
+    except ValueError:
+        util = None
+    return float(used), float(total), util
+
+
 class ServerSampler:
     """Polls GET {base_url}/metrics every `interval_s` in a thread from start() to stop(); `report()` gives
     the run's peaks (pool slots summed over workers, queue, running requests), the increase of the adapter
     load, load-byte and preemption counters, the share of samples in which the scheduler served its queue
-    newest first and the peak of its early-abort prefill estimate, and the peak GPU memory in use
-    (nvidia-smi, every `gpu_interval_s`; None where there is none).
+    newest first and the peak of its early-abort prefill estimate, and the peak GPU memory in use and the
+    share of time the serving GPU ran a kernel (nvidia-smi, every `gpu_interval_s`; None where there is none).
 
     The baseline sample is taken in start() itself, so counters count from before the first request.
     Pool occupancy is the scheduler's view, refreshed by its worker pings, so a peak shorter than a ping
@@ -198,6 +209,9 @@ class ServerSampler:
         self.saw_steps = False  # servers without step counters (the PEFT baseline) report no worker_steps
         self.gpu_memory_used_peak_mib: float | None = None
         self.gpu_memory_total_mib: float | None = None
+        # utilization.gpu of the GPU holding the most memory (the one serving), sampled during the run: the
+        # share of time a kernel ran, so below 100% the GPU waited on the host (any kernel counts as busy).
+        self.gpu_busy: list[float] = []
         self._last_gpu = 0.0
 
     def __enter__(self) -> ServerSampler:
@@ -241,7 +255,7 @@ class ServerSampler:
         now = time.monotonic()
         if self.nvidia_smi and (baseline or now - self._last_gpu >= self.gpu_interval_s):
             self._last_gpu = now
-            self._gpu_memory()
+            self._gpu_memory(baseline)
 
     def _record(self, samples: dict, baseline: bool) -> None:
         slots = {kind: sum(by_label(samples, "loraplex_pool_slots", "worker", kind=kind).values())
@@ -279,19 +293,22 @@ class ServerSampler:
                 self.held_back[reason].update(
                     by_label(samples, "loraplex_worker_steps_held_back_total", "worker", reason=reason), baseline)
 
-    def _gpu_memory(self) -> None:
+    def _gpu_memory(self, baseline: bool = False) -> None:
         try:
-            out = subprocess.run([self.nvidia_smi, "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+            out = subprocess.run([self.nvidia_smi, "--query-gpu=memory.used,memory.total,utilization.gpu",
+                                  "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=10, check=True).stdout
-            rows = [[float(v) for v in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+            rows = [_smi_row(line) for line in out.strip().splitlines() if line.strip()]
         except (OSError, subprocess.SubprocessError, ValueError):
             return
         if not rows:
             return
-        used = max(r[0] for r in rows)  # the busiest GPU of the host
+        used, total, busy = max(rows, key=lambda r: r[0])  # the busiest GPU of the host
         with self._lock:
             self.gpu_memory_used_peak_mib = max(self.gpu_memory_used_peak_mib or 0.0, used)
             self.gpu_memory_total_mib = max(r[1] for r in rows)
+            if busy is not None and not baseline:  # the baseline is taken before the first request
+                self.gpu_busy.append(busy / 100.0)
 
     def report(self) -> dict:
         with self._lock:
@@ -320,6 +337,9 @@ class ServerSampler:
                                            if any(c.last for c in self.held_back.values()) else None),
                 "gpu_memory_used_peak_mib": self.gpu_memory_used_peak_mib,
                 "gpu_memory_total_mib": self.gpu_memory_total_mib,
+                "gpu_busy_mean": sum(self.gpu_busy) / len(self.gpu_busy) if self.gpu_busy else None,
+                "gpu_busy_min": min(self.gpu_busy) if self.gpu_busy else None,
+                "gpu_busy_samples": len(self.gpu_busy),
                 "metrics_samples": self.samples,
                 "metrics_sample_errors": self.sample_errors,
             }

@@ -225,9 +225,9 @@ def test_sampler_gpu_memory_peak(core_stack, tmp_path):
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f"""#!/bin/sh
 n=$(cat {counter}); echo $((n + 1)) > {counter}
-case $n in 0) u=1000;; 1) u=5000;; *) u=3000;; esac
-echo "$u, 81559"
-echo "200, 81559"
+case $n in 0) u=1000; b=0;; 1) u=5000; b=90;; 2) u=3000; b=[N/A];; *) u=3000; b=100;; esac
+echo "$u, 81559, $b"
+echo "200, 81559, 7"
 """)
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     s = ServerSampler(core_stack.url, interval_s=0.1, gpu_interval_s=0.0, nvidia_smi=str(smi)).start()
@@ -237,3 +237,10 @@ echo "200, 81559"
     report = s.stop()
     assert int(counter.read_text()) >= 4
     assert report["gpu_memory_used_peak_mib"] == 5000.0 and report["gpu_memory_total_mib"] == 81559.0
+    # Busy share of the GPU holding the most memory (not the idle one's 7%), from the samples after the
+    # baseline (its 0% was before any request); the [N/A] sample is left out.
+    calls = int(counter.read_text())
+    expected = [0.9] + [1.0] * (calls - 3)
+    assert report["gpu_busy_samples"] == len(expected)
+    assert report["gpu_busy_mean"] == pytest.approx(sum(expected) / len(expected))
+    assert report["gpu_busy_min"] == 0.9
