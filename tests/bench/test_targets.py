@@ -155,3 +155,14 @@ def test_a_ratio_of_points_served_by_different_code_says_so(tmp_path):
     assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "met"
     write(sat, [line("loraplex", 2000, 28.5, 41.1, server_code="aaaaaaaaaaaa"), line("loraplex", 5, 30.1, 48.2)])
     assert {x.target: x for x in verdicts([str(sat)])}["S2 n = 2000 ≥ 0.9 × n = 5"].status == "met"
+
+
+def test_a_missed_target_names_how_busy_the_gpu_was(tmp_path):
+    sat = tmp_path / "s2-saturation.jsonl"
+    write(sat, [line("loraplex", 2000, 24.0, 41.1, gpu_busy_mean=0.93), line("loraplex", 5, 30.0, 48.2, gpu_busy_mean=0.99),
+                line("loraplex", 100, 31.3, 47.0, gpu_busy_mean=0.97), line("base-only", 100, 32.3, 48.9)])
+    v = {x.target: x for x in verdicts([str(sat)])}
+    assert v["S2 n = 2000 ≥ 30 req/s"].status == "missed: 0.80 of it; GPU busy 93% of the point"
+    assert v["S2 n = 2000 ≥ 0.9 × n = 5"].status.endswith("; GPU busy 93% vs 99%")
+    # Met, or one line without the figure: nothing to add.
+    assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "met"
