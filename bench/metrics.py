@@ -233,7 +233,7 @@ class ServerSampler:
             self._stop.set()
             self._thread.join(timeout=30)
             self._thread = None
-            self._sample(baseline=False)
+            self._sample(baseline=False, last=True)
             self._client.close()
         return self.report()
 
@@ -241,7 +241,7 @@ class ServerSampler:
         while not self._stop.wait(self.interval_s):
             self._sample(baseline=False)
 
-    def _sample(self, baseline: bool) -> None:
+    def _sample(self, baseline: bool, last: bool = False) -> None:
         try:
             r = self._client.get("/metrics")
             r.raise_for_status()
@@ -255,7 +255,9 @@ class ServerSampler:
         now = time.monotonic()
         if self.nvidia_smi and (baseline or now - self._last_gpu >= self.gpu_interval_s):
             self._last_gpu = now
-            self._gpu_memory(baseline)
+            # Busy shares only from samples in the point: not the baseline, taken before the first request, nor
+            # stop()'s last one, taken once the GPU has drained.
+            self._gpu_memory(busy=not (baseline or last))
 
     def _record(self, samples: dict, baseline: bool) -> None:
         slots = {kind: sum(by_label(samples, "loraplex_pool_slots", "worker", kind=kind).values())
@@ -293,7 +295,7 @@ class ServerSampler:
                 self.held_back[reason].update(
                     by_label(samples, "loraplex_worker_steps_held_back_total", "worker", reason=reason), baseline)
 
-    def _gpu_memory(self, baseline: bool = False) -> None:
+    def _gpu_memory(self, busy: bool) -> None:
         try:
             out = subprocess.run([self.nvidia_smi, "--query-gpu=memory.used,memory.total,utilization.gpu",
                                   "--format=csv,noheader,nounits"],
@@ -303,12 +305,12 @@ class ServerSampler:
             return
         if not rows:
             return
-        used, total, busy = max(rows, key=lambda r: r[0])  # the busiest GPU of the host
+        used, _, util = max(rows, key=lambda r: r[0])  # the busiest GPU of the host
         with self._lock:
             self.gpu_memory_used_peak_mib = max(self.gpu_memory_used_peak_mib or 0.0, used)
             self.gpu_memory_total_mib = max(r[1] for r in rows)
-            if busy is not None and not baseline:  # the baseline is taken before the first request
-                self.gpu_busy.append(busy / 100.0)
+            if util is not None and busy:
+                self.gpu_busy.append(util / 100.0)
 
     def report(self) -> dict:
         with self._lock:

@@ -15,6 +15,9 @@ def test_words_set_the_shapes_they_name():
         LaunchShapes(attention_block_n=64, attention_stages=4, heads_first=True)
     assert LaunchShapes.parse("split_mixed,expand_cols_first") == LaunchShapes(split_mixed=True,
                                                                                expand_cols_first=True)
+    # heads_first and split_mixed are on by default: the words themselves show after a no_ word (the last wins).
+    assert LaunchShapes.parse("no_heads_first,heads_first").heads_first
+    assert LaunchShapes.parse("no_split_mixed,split_mixed").split_mixed
 
 
 def test_the_shapes_the_h200_favoured_are_on_by_default_and_no_words_turn_them_off():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from benchmarks.kernels.shapes import llama_config, paged_kv
 from benchmarks.kernels.timing import time_graph
 from services.gpu_worker import kernels
-from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
+from services.gpu_worker.kernels.launch_shapes import launch_shapes, set_launch_shapes
 from services.gpu_worker.kernels.paged_attention import choose_attention_config
 from shared.kernel_shapes import LaunchShapes
 
@@ -79,12 +79,13 @@ def served_contexts(batch: int, prompt_range: tuple[int, int], output_range: tup
 
 def chosen_under(shapes: str, meta, cfg) -> "AttentionConfig":
     """The launch shape the launcher chooses for `meta` while the worker setting kernel_shapes is `shapes`."""
+    before = launch_shapes()
     set_launch_shapes(LaunchShapes.parse(shapes))
     try:
         return choose_attention_config(meta, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
                                        meta.ctx_lens.device)
     finally:
-        set_launch_shapes(LaunchShapes())
+        set_launch_shapes(before)
 
 
 def bench_decode_served(model: str, batches: list[int], dtype=torch.bfloat16, shapes: tuple[str, ...] = (),

@@ -39,11 +39,8 @@ def slot_run(rows: list[dict], model: str, batch: int, min_gain: float) -> tuple
     rows = [r for r in rows if r["model"] == model and r["batch"] == batch]
     if not rows:
         return 1, f"slot runs: no served row for {model} at batch {batch}"
-    # A pool laid out in runs is rounded up to whole runs (219,008 slots for 219,000 in runs of 16): rows
-    # within one run of the largest pool are the same served size.
     pool = max(r.get("pool_slots", 0) for r in rows)
-    longest = max(r.get("slot_run", 1) for r in rows)
-    by_run = {r.get("slot_run", 1): r["ours_us"] for r in rows if r.get("pool_slots", 0) > pool - longest}
+    by_run = {r.get("slot_run", 1): r["ours_us"] for r in rows if r.get("pool_slots", 0) == pool}
     if 1 not in by_run or len(by_run) < 2:
         return 1, "slot runs: no layouts to compare"
     run, best = min(by_run.items(), key=lambda kv: kv[1])

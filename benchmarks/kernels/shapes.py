@@ -81,12 +81,15 @@ def paged_kv(cfg: ModelConfig, q_lens: list[int], ctx_lens: list[int], dtype: to
              seed: int = 0, slot_run: int = 1, pool_slots: int = 0) -> tuple[torch.Tensor, AttnMeta]:
     """One layer's K/V `[2, slots, W]` with each sequence's context at randomly permuted slots: single slots, or
     runs of `slot_run` consecutive ones (each sequence starting a run), in a pool of at least `pool_slots`
-    (a served pool spreads a layer's K/V over gigabytes, not over the batch's own few hundred megabytes)."""
+    (a served pool spreads a layer's K/V over gigabytes, not over the batch's own few hundred megabytes). The
+    pool is exactly `pool_slots` where that holds the contexts, so layouts of one served size compare as one:
+    runs fill its whole runs, and a tail shorter than a run stays unused."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     need = sum(-(-n // slot_run) * slot_run for n in ctx_lens) + 16
-    n_slots = -(-max(need, pool_slots) // slot_run) * slot_run
+    n_runs = max(-(-need // slot_run), pool_slots // slot_run)
+    n_slots = max(n_runs * slot_run, pool_slots)
     kv = torch.empty(2, n_slots, cfg.kv_dim, dtype=dtype, device=device).normal_()
-    runs = torch.randperm(n_slots // slot_run, generator=gen)
+    runs = torch.randperm(n_runs, generator=gen)
     perm = (runs[:, None] * slot_run + torch.arange(slot_run)).reshape(-1).to(torch.int32)
     table = torch.zeros(len(ctx_lens), max(ctx_lens), dtype=torch.int32)
     used = 0

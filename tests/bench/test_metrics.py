@@ -237,10 +237,11 @@ echo "200, 81559, 7"
     report = s.stop()
     assert int(counter.read_text()) >= 4
     assert report["gpu_memory_used_peak_mib"] == 5000.0 and report["gpu_memory_total_mib"] == 81559.0
-    # Busy share of the GPU holding the most memory (not the idle one's 7%), from the samples after the
-    # baseline (its 0% was before any request); the [N/A] sample is left out.
+    # Busy share of the GPU holding the most memory (not the idle one's 7%), from the samples in the point:
+    # not the baseline (call 0, before any request) nor stop()'s last call; the [N/A] sample (call 2) is
+    # left out.
     calls = int(counter.read_text())
-    expected = [0.9] + [1.0] * (calls - 3)
+    expected = [0.9] + [1.0] * (calls - 4)
     assert report["gpu_busy_samples"] == len(expected)
     assert report["gpu_busy_mean"] == pytest.approx(sum(expected) / len(expected))
     assert report["gpu_busy_min"] == 0.9
