@@ -236,6 +236,8 @@ def main() -> None:
     ap.add_argument("--distinct", default="1,5,25,100,256")
     ap.add_argument("--plans", choices=("graph", "shapes"), default="graph",
                     help="graph: the decode graphs' segment plans; shapes: shrink's and expand's launch shapes")
+    ap.add_argument("--plan", action="append", default=[],
+                    help="a plan to time (repeatable, e.g. --plan 'bound live 128 p128'); replaces --plans")
     args = ap.parse_args()
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
@@ -243,11 +245,20 @@ def main() -> None:
                  "exact live 16", "exact")
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
-        plans = PLANS if args.plans == "graph" else SHAPE_PLANS
+        plans = tuple(args.plan) or (PLANS if args.plans == "graph" else SHAPE_PLANS)
+        for text in plans:
+            Plan.parse(text)  # a typo fails before any GPU time is spent
         groups = args.groups.split(",")
         batches = [int(b) for b in args.batches.split(",")]
         distinct = [int(d) for d in args.distinct.split(",")]
     rows = []
+
+    def write(ranked=()) -> None:
+        # After every case too, so a run cut short by its time limit keeps what it measured.
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       "torch": torch.__version__, "rows": rows, "graph_plans": list(ranked)}, f, indent=1)
+
     for group in groups:
         for batch in batches:
             for d in distinct:
@@ -259,14 +270,13 @@ def main() -> None:
                 print(f"{group} batch {batch} adapters {d}: "
                       + ", ".join(f"{r['plan']} {r['both_us']:.1f}" for r in rows[-len(plans):])
                       + f" µs (best {best['plan']})", file=sys.stderr, flush=True)
+                write()
     wrong = report_mismatches(rows)
     ranked = rank_graph_plans(rows)
     for x in ranked[:5]:
         print(f"graph plan {x['plan']}: {x['mean_over_best']:.3f} x the best on average, "
               f"{x['worst_over_best']:.3f} at worst", file=sys.stderr)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                   "torch": torch.__version__, "rows": rows, "graph_plans": ranked}, f, indent=1)
+    write(ranked)
     if wrong:
         sys.exit(1)
 
