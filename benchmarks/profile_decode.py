@@ -31,6 +31,7 @@ def main() -> int:
     p.add_argument("--graphs", action="store_true", help="replay decode steps from CUDA graphs")
     p.add_argument("--few-adapters", type=int, default=EngineConfig.cuda_graph_few_adapters,
                    help="cuda_graph_few_adapters (graphs only; default the worker's)")
+    p.add_argument("--kernel-shapes", default="", help="the worker's kernel_shapes (shared/kernel_shapes.py)")
     p.add_argument("--out", default="profile.txt")
     args = p.parse_args()
     cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
@@ -43,6 +44,7 @@ def main() -> int:
                                                          cuda_graph_max_batch=max(args.batch,
                                                                                   EngineConfig.cuda_graph_max_batch),
                                                          cuda_graph_few_adapters=args.few_adapters,
+                                                         kernel_shapes=args.kernel_shapes,
                                                          overlap_steps=False))  # one step profiled at a time
     ranks = (8, 16, 32, 64)
     names = []

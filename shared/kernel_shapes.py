@@ -12,6 +12,8 @@ Words, comma-separated:
   split_mixed           a mixed step's decode rows launched apart from its prompts (attention's split_decode);
                         on by default
   expand_cols_first     LoRA expand programs launched column tile first (ExpandConfig.cols_first)
+  graph_shrink_split=N  ways a decode graph planned for every segment splits LoRA shrink's inputs at least
+                        (default 4; 1 keeps the split planned from the segment count alone)
   no_<word>             turns off a word that is on by default, as no_split_mixed
 
 heads_first and split_mixed are on because the H200 measured them faster (docs/benchmarks.md, 2026-12-04 13:11):
@@ -30,6 +32,7 @@ class LaunchShapes:
     heads_first: bool = True
     split_mixed: bool = True
     expand_cols_first: bool = False
+    graph_shrink_split: int = 0  # 0: the launcher's choice
 
     @classmethod
     def parse(cls, text: str) -> "LaunchShapes":

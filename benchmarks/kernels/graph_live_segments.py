@@ -143,10 +143,14 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
             hints.pop("chunk_items", None)  # every segment gets the longest one's chunk count
         segments = groups.seg_adapter.shape[0]
         # "exact live N" keeps the bound's launch shapes (split, tiles), only without its empty segments.
-        planned_for = bound.seg_adapter.shape[0] if plan.exact and plan.live else segments
-        cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, longest,
+        # (Its shapes are chosen as the bound's are, knowing no segment length: a decode batch's segments are
+        # short enough that the launch cuts none into chunks either way.)
+        shaped_as_bound = plan.exact and plan.live
+        planned_for = bound.seg_adapter.shape[0] if shaped_as_bound else segments
+        planned_len = None if shaped_as_bound else longest
+        cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, planned_len,
                                      planned_for, plan.live, plan.programs)
-        cfg_e = choose_expand_config(batch, len(modules), out_dims, pool.width, max_rank, x.device, True, longest,
+        cfg_e = choose_expand_config(batch, len(modules), out_dims, pool.width, max_rank, x.device, True, planned_len,
                                      planned_for, plan.live, plan.programs)
         if plan.block_m:
             cfg_s = dataclasses.replace(cfg_s, block_m=plan.block_m)

@@ -22,7 +22,9 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
     assert by_plan[(1, "bound")]["segments"] == 8 and by_plan[(1, "exact")]["segments"] == 1
-    assert by_plan[(1, "bound")]["n_split"] == 1 < by_plan[(1, "bound live 1")]["n_split"] == \
+    # The bound's split is the graphs' least (GRAPH_SHRINK_MIN_SPLIT), as far as the tiny inputs allow (two
+    # ways); a single live segment's plan fills the GPU from one segment and so splits as far.
+    assert by_plan[(1, "bound")]["n_split"] == 2 == by_plan[(1, "bound live 1")]["n_split"] == \
         by_plan[(1, "exact")]["n_split"]
     for d in (1, 3):
         assert by_plan[(d, "bound live 16 m64")]["block_m"] == 64

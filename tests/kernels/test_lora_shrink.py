@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import zlib
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -9,11 +10,23 @@ from conftest import ALIGNED_CFG, LoraPool, assert_matches
 from lora_cases import FORMS, make_batch
 
 from services.gpu_worker.kernels import lora_shrink
-from services.gpu_worker.kernels.lora_shrink import ShrinkConfig, choose_shrink_config
+from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
+from services.gpu_worker.kernels.lora_shrink import GRAPH_SHRINK_MIN_SPLIT, ShrinkConfig, choose_shrink_config
 from services.gpu_worker.ops import reference
+from shared.kernel_shapes import LaunchShapes
 from shared.model_config import MODULES
 
 GROUPS = {"qkv": (0, 1, 2), "gate_up": (4, 5), "down": (6,)}
+
+
+@contextmanager
+def shapes(text: str):
+    """The worker's kernel_shapes set to `text` for the block, the defaults again after."""
+    set_launch_shapes(LaunchShapes.parse(text))
+    try:
+        yield
+    finally:
+        set_launch_shapes(LaunchShapes())
 
 
 def run_case(cfg, dtype, form, modules, seed, config=None, with_live=True):
@@ -82,9 +95,15 @@ def test_a_graph_plans_its_input_split_for_the_segments_that_carry_tokens():
     # 32 busy segments the 4096 inputs are not split at all, counted as one they are.
     common = dict(num_tokens=32, num_groups=3, fan_in=4096, width=128, max_rank=64, device=torch.device("cpu"),
                   segmented=True, num_segments=32)
-    assert choose_shrink_config(**common).n_split == 1
+    # Planned for every segment the split is the graphs' least one, not one that fills the GPU from 32 busy
+    # segments; graph_shrink_split=1 keeps the split the segment count alone gives.
+    assert choose_shrink_config(**common).n_split == GRAPH_SHRINK_MIN_SPLIT
+    with shapes("graph_shrink_split=1"):
+        assert choose_shrink_config(**common).n_split == 1
+    with shapes("graph_shrink_split=8"):
+        assert choose_shrink_config(**common).n_split == 8
     planned = choose_shrink_config(**common, live_segments=1)
-    assert planned.n_split > 1
+    assert planned.n_split > GRAPH_SHRINK_MIN_SPLIT
     assert choose_shrink_config(**common, live_segments=64) == choose_shrink_config(**common)
     # Exact segment counts (eager steps) are planned as before.
     assert choose_shrink_config(**{**common, "num_segments": 1}) == planned
@@ -114,8 +133,10 @@ def test_live_segments_change_the_launch_and_not_the_result():
     ref = reference.lora_shrink(x, lp.k_buf, token_adapter, lp.tables, modules, max_rank)
     bound = kwargs["seg_adapter"].shape[0]
     fan_in = ALIGNED_CFG.hidden_size
-    plans = {choose_shrink_config(x.shape[0], 3, fan_in, lp.k_buf.shape[1], max_rank, x.device, True, None, bound,
-                                  live).n_split for live in (None, 1)}
+    # Without the graphs' least split (the tiny inputs allow two ways at most), so the plans differ.
+    with shapes("graph_shrink_split=1"):
+        plans = {choose_shrink_config(x.shape[0], 3, fan_in, lp.k_buf.shape[1], max_rank, x.device, True, None,
+                                      bound, live).n_split for live in (None, 1)}
     assert len(plans) == 2  # one split for the bound, another for a single live segment
     for live in (None, 1):
         got = lora_shrink(x, lp.k_buf, token_adapter, lp.tables, modules, max_rank, live_segments=live, **kwargs)

@@ -22,6 +22,7 @@ import triton.language as tl
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_modules, check_tensor, next_pow2, num_sms, pad3, pow2_divisor
 from .compiled_launch import CompiledLaunch
+from .launch_shapes import launch_shapes
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
@@ -241,6 +242,14 @@ def _shrink_finalize_kernel(
     tl.store(out_ptr + base + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < max_rank)
 
 
+# A decode graph replayed by steps of many adapters launches a segment per token, most of them busy or not
+# (it cannot know which): planned for all of them, its few busy programs each read a rank tile's whole input
+# alone. On the H200 (docs/benchmarks.md, 2026-12-04 16:24) splitting the input 4 ways took Llama-3-8B's
+# shrink at batch 512 over 100 adapters from 37.0 to 32.2 µs a layer for q,k,v, 19.3 to 15.9 for o, 30.2 to
+# 23.9 for gate,up and 51.9 to 39.9 for down; over 250 adapters it was within 2.5% either way.
+GRAPH_SHRINK_MIN_SPLIT = 4
+
+
 @dataclass(frozen=True)
 class ShrinkConfig:
     """Launch shape; `choose_shrink_config` picks one, benchmarks may pass their own."""
@@ -266,7 +275,8 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     tokens: a CUDA graph launches one segment per token because it cannot know the step's adapters, and
     counting all of them as work would leave a step of a few adapters to a handful of programs.
     `segment_programs` (0: one program per segment) shares the segments out among that many programs, so a
-    graph's unused segments launch none."""
+    graph's unused segments launch none. A graph launch planned for every segment (no live_segments, no
+    max_seg_len) splits its input at least GRAPH_SHRINK_MIN_SPLIT ways (kernel_shapes' graph_shrink_split)."""
     block_k = pow2_divisor(width, 128)
     if block_k < 16:
         block_k = 32  # rows straddle slots inside a tile: the unaligned path
@@ -293,7 +303,11 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     else:
         n_units = num_tokens
     base = max(1, n_units * num_groups * r_tiles)
-    n_split = max(1, min(cdiv(target, base), cdiv(fan_in, block_k), 64))
+    least = 1
+    segments = num_segments if num_segments is not None else num_tokens
+    if segmented and max_seg_len is None and not segment_programs and (live_segments or segments) >= segments:
+        least = launch_shapes().graph_shrink_split or GRAPH_SHRINK_MIN_SPLIT  # see GRAPH_SHRINK_MIN_SPLIT
+    n_split = max(1, min(max(cdiv(target, base), least), cdiv(fan_in, block_k), 64))
     # The segment form's loads feed tl.dot and are software-pipelined; three stages measured faster.
     return ShrinkConfig(block_r=block_r, block_k=block_k, n_split=n_split, block_m=block_m, chunk_tokens=chunk,
                         segment_programs=segment_programs if segmented else 0, num_stages=3 if segmented else 2)
