@@ -14,6 +14,8 @@ Words, comma-separated:
   expand_cols_first     LoRA expand programs launched column tile first (ExpandConfig.cols_first)
   graph_shrink_split=N  ways a decode graph planned for every segment splits LoRA shrink's inputs at least
                         (default 4; 1 keeps the split planned from the segment count alone)
+  graph_expand_tiles=N  column tiles a LoRA expand program walks in a decode graph planned for every segment
+                        (default 4 for groups of 64 column tiles or more, 2 for the others)
   no_<word>             turns off a word that is on by default, as no_split_mixed
 
 heads_first and split_mixed are on because the H200 measured them faster (docs/benchmarks.md, 2026-12-04 13:11):
@@ -33,6 +35,7 @@ class LaunchShapes:
     split_mixed: bool = True
     expand_cols_first: bool = False
     graph_shrink_split: int = 0  # 0: the launcher's choice
+    graph_expand_tiles: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "LaunchShapes":

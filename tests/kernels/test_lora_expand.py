@@ -117,16 +117,29 @@ def test_expand_launched_column_tile_first_adds_the_same_bits(form, programs):
     assert_matches(outs[1] - base, ref - base, torch.float32)
 
 
-def test_a_graphs_launch_walks_two_column_tiles_a_program():
-    from services.gpu_worker.kernels.lora_expand import choose_expand_config
+def test_a_graphs_launch_walks_several_column_tiles_a_program():
+    from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
+    from services.gpu_worker.kernels.lora_expand import GRAPH_WIDE_TILES, choose_expand_config
+    from shared.kernel_shapes import LaunchShapes
 
-    # A decode graph's launch of 256 tokens (a segment per token, max_seg_len unknown): two column tiles a
-    # program, so half as many programs find their segment empty. An eager step's exact segments, and a graph whose programs
-    # share the segments out, keep one; so does an output of a single tile.
+    # A decode graph's launch of 256 tokens (a segment per token, max_seg_len unknown): several column tiles a
+    # program, so fewer programs find their segment empty: four for q,k,v's 96 tiles, two for o's 32. An eager
+    # step's exact segments, and a graph whose programs share the segments out, keep one; so does an output of
+    # a single tile.
     common = dict(num_tokens=256, num_groups=3, out_dims=(4096, 4096, 4096), width=4096, max_rank=64,
                   device=torch.device("cpu"), segmented=True, num_segments=256)
     graph = choose_expand_config(**common)
-    assert graph.tiles_per_prog == 2 and graph.block_n == 128
+    assert 3 * 4096 // 128 >= GRAPH_WIDE_TILES > 4096 // 128
+    assert graph.tiles_per_prog == 4 and graph.block_n == 128
+    assert choose_expand_config(**{**common, "num_groups": 1, "out_dims": (4096,)}).tiles_per_prog == 2
+    # kernel_shapes' graph_expand_tiles sets it, up to the tiles there are.
+    try:
+        set_launch_shapes(LaunchShapes.parse("graph_expand_tiles=2"))
+        assert choose_expand_config(**common).tiles_per_prog == 2
+        set_launch_shapes(LaunchShapes.parse("graph_expand_tiles=64"))
+        assert choose_expand_config(**common).tiles_per_prog == 4096 // 128
+    finally:
+        set_launch_shapes(LaunchShapes())
     # Its ranks are stepped 16 rows at a time (many adapters' mixed ranks); a few-adapter graph's programs,
     # which share the segments out, keep 32-row steps.
     assert graph.block_r == 16

@@ -180,6 +180,11 @@ def _expand_segment(
 
 # A graph's launch walks two column tiles a program from this many tokens (see choose_expand_config).
 GRAPH_TILES_MIN_TOKENS = 256
+# ... and four where its group spans this many column tiles (its modules' tiles together): q,k,v and gate,up,
+# not o or down. On the H200 (docs/benchmarks.md, 2026-12-04 16:33) Llama-3-8B's gate,up expand at batch 512
+# over 100 adapters took 94.3 against 106.0 µs a layer and q,k,v 30.7 against 31.7; at batch 256 Llama-2-7B's
+# q,k,v 45.5 against 48.9, while its o (32 tiles) lost, 21.2 against 19.6.
+GRAPH_WIDE_TILES = 64
 
 
 @dataclass(frozen=True)
@@ -204,7 +209,8 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
                          segment_programs: int = 0) -> ExpandConfig:
     """128-column tiles (256-byte row reads), narrower only when few tokens would leave multiprocessors
     idle. One column tile per program, except in a CUDA graph's launch (segment form with max_seg_len unknown:
-    a segment per token, most of them empty): there a program walks two, so half as many programs find their
+    a segment per token, most of them empty): there a program walks two (four in groups spanning
+    GRAPH_WIDE_TILES column tiles or more), so half as many programs find their
     segment empty. On the H200 at batch 256 (docs/benchmarks.md) that took S2's q,k,v expand from 71 to 48 µs
     a layer at 100 adapters and 37 to 29 at 5. The launch-shape sweep at batch 64 (benchmarks/kernels/
     bench_lora.py) found several tiles a program slower, and an eager decode step's exact segments gained at
@@ -255,8 +261,12 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         # a chunk at most `chunk` tokens): two tiles a program while that still fills the GPU.
         prefill_wide = (long_segments and not segment_programs
                         and units * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
-        two = (graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS) or prefill_wide
-        tiles = 2 if two and n_tiles_of(block_n) >= 2 else 1
+        graph_wide = graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS
+        tiles = 2 if graph_wide or prefill_wide else 1
+        if graph_wide:
+            tiles = launch_shapes().graph_expand_tiles or (
+                4 if num_groups * n_tiles_of(block_n) >= GRAPH_WIDE_TILES else 2)
+        tiles = max(1, min(tiles, n_tiles_of(block_n)))
         # 16-row rank steps where many adapters' mixed ranks share a launch: a chunked prefill of short
         # segments (above) and a graph planned for every segment (one replayed by steps of more than
         # cuda_graph_few_adapters adapters). On the H200 at batch 256 over 100 adapters (S2, ranks 8-64) the
