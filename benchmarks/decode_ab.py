@@ -1,0 +1,124 @@
+"""One decode step under two launch-shape settings (the worker's kernel_shapes), timed on one engine in
+alternating rounds, so the machine's drift over a run (clocks, heat: 1-2% on every kernel between two
+profiles minutes apart on the H200) falls on both alike. Rounds go A B, B A, A B, ...; each setting keeps
+its own CUDA graphs, captured at its first round and left out of the timing.
+
+    python benchmarks/decode_ab.py --model llama3-8b --batch 512 --adapters 100 --prompt-len 384 \
+        --a graph_expand_tiles=2 --b "" --out ab.json
+    python benchmarks/decode_ab.py --smoke --out /tmp/ab.json   # CPU, tiny model: checks the script runs
+
+The result: each setting's milliseconds a step per round, their medians, and the median of the paired
+differences B - A (each round's B against the A next to it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
+from services.gpu_worker.engine import Engine
+from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
+from services.gpu_worker.requests import EngineRequest
+from services.gpu_worker.sampling import SamplingParams
+from shared.config import EngineConfig
+from shared.kernel_shapes import LaunchShapes
+from shared.model_config import MODULES, ModelConfig
+
+TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+RANKS = (8, 16, 32, 64)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(args) -> tuple[Engine, list[str]]:
+    if args.smoke:
+        cfg, targets, device, dtype, graphs = ModelConfig.from_hf(TINY), tuple(MODULES), "cpu", "float32", False
+    else:
+        cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
+        targets, device, dtype, graphs = TARGETS[args.model], "cuda", "bfloat16", True
+    engine = Engine.with_dummy_weights(cfg, EngineConfig(
+        device=device, dtype=dtype, num_slots=4096 if args.smoke else 0, max_lora_rank=64, max_running_requests=args.batch,
+        max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(args.batch, EngineConfig.cuda_graph_max_batch),
+        kernel_shapes=args.a, overlap_steps=False))  # one step timed at a time
+    names = []
+    for i in range(args.adapters):
+        names.append(f"a{i}")
+        adapter = synthetic_adapter(names[-1], cfg, RANKS[i % len(RANKS)], targets, engine.device)
+        if args.smoke:
+            adapter.rows = adapter.rows.float()
+        engine._local_adapters[names[-1]] = adapter
+    return engine, names
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["llama2-7b", "llama3-8b"], default="llama2-7b")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--adapters", type=int, default=100, help="distinct adapters, one per request in turn (0: base only)")
+    p.add_argument("--prompt-len", type=int, default=384)
+    p.add_argument("--a", default="", help="kernel_shapes of setting A (empty: the defaults)")
+    p.add_argument("--b", default="", help="kernel_shapes of setting B")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4, help="decode steps timed a round")
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, no graphs: checks the script runs")
+    args = p.parse_args()
+    if args.smoke:
+        args.batch, args.adapters, args.prompt_len, args.rounds, args.steps = 4, 3, 8, 2, 2
+    settings = {"A": LaunchShapes.parse(args.a), "B": LaunchShapes.parse(args.b)}  # a bad word fails here
+    engine, names = build(args)
+    # Every request lasts the whole run: the batch never shrinks to another graph's size. Each round also runs
+    # one untimed step after switching settings (a first capture falls there).
+    decode_steps = args.rounds * 2 * (args.steps + 1) + 4
+    for i in range(args.batch):
+        engine.add_request(EngineRequest(f"r{i}", [5 + i % 100] * args.prompt_len,
+                                         SamplingParams(max_tokens=decode_steps + 8, ignore_eos=True),
+                                         names[i % len(names)] if names else None))
+    while len(engine.running) < args.batch or any(s.remaining > 1 for s in engine.running):
+        engine.step()  # prefill
+    for _ in range(2):
+        engine.step()
+    graphs = {"A": engine.graphs.graphs if engine.graphs is not None else None, "B": {}}
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for r in range(args.rounds):
+        for label in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            set_launch_shapes(settings[label])
+            if engine.graphs is not None:
+                engine.graphs.graphs = graphs[label]
+            engine.step()  # untimed: this setting's graph for the shape may be captured here
+            sync(engine.device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            sync(engine.device)
+            times[label].append((time.perf_counter() - t0) / args.steps * 1e3)
+        print(f"round {r + 1}/{args.rounds}: A {times['A'][-1]:.3f} ms, B {times['B'][-1]:.3f} ms a step",
+              file=sys.stderr, flush=True)
+    set_launch_shapes(LaunchShapes())
+    paired = [b - a for a, b in zip(times["A"], times["B"])]
+    result = {"model": "tiny" if args.smoke else args.model, "batch": args.batch, "adapters": args.adapters,
+              "prompt_len": args.prompt_len, "a": args.a, "b": args.b, "rounds": args.rounds, "steps": args.steps,
+              "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "step_ms": times,
+              "median_ms": {k: statistics.median(v) for k, v in times.items()},
+              "median_b_minus_a_ms": statistics.median(paired)}
+    result["b_over_a"] = result["median_ms"]["B"] / result["median_ms"]["A"]
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"A ({args.a or 'defaults'}) {result['median_ms']['A']:.3f} ms, B ({args.b or 'defaults'}) "
+          f"{result['median_ms']['B']:.3f} ms a step; B - A {result['median_b_minus_a_ms']:+.3f} ms "
+          f"(median of {args.rounds} paired rounds), B / A {result['b_over_a']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

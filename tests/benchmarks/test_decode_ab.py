@@ -1,0 +1,35 @@
+"""The decode A/B benchmark runs two launch-shape settings in alternating rounds on one engine (CPU, tiny)."""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+from bench import REPO, child_env
+
+
+def run(tmp_path, *extra):
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.decode_ab", "--smoke", "--out", str(out), *extra],
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+def test_smoke_run_times_both_settings_in_paired_rounds(tmp_path):
+    proc, out = run(tmp_path, "--a", "graph_expand_tiles=2,graph_shrink_split=1", "--b", "")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert (result["a"], result["b"], result["rounds"]) == ("graph_expand_tiles=2,graph_shrink_split=1", "", 2)
+    a, b = result["step_ms"]["A"], result["step_ms"]["B"]
+    assert len(a) == len(b) == 2 and all(t > 0 for t in a + b)
+    assert result["median_ms"] == {"A": statistics.median(a), "B": statistics.median(b)}
+    assert result["median_b_minus_a_ms"] == statistics.median([y - x for x, y in zip(a, b)])
+    assert abs(result["b_over_a"] - statistics.median(b) / statistics.median(a)) < 1e-12
+    assert "round 2/2:" in proc.stderr and "B / A" in proc.stdout
+
+
+def test_an_unknown_word_fails_before_the_engine_is_built(tmp_path):
+    proc, out = run(tmp_path, "--b", "graph_expand_tiles=3")
+    assert proc.returncode != 0 and not out.exists()
+    assert "graph_expand_tiles needs a power of two" in proc.stderr
