@@ -16,6 +16,8 @@ Words, comma-separated:
                         (default 4; 1 keeps the split planned from the segment count alone)
   graph_expand_tiles=N  column tiles a LoRA expand program walks in a decode graph planned for every segment
                         (default 4 for groups of 64 column tiles or more, 2 for the others)
+  expand_rank_whole     in such a graph, a LoRA expand program takes its adapter's whole rank in one step and
+                        pipelines over its column tiles (ExpandConfig.rank_whole); off until measured
   no_<word>             turns off a word that is on by default, as no_split_mixed
 
 heads_first and split_mixed are on because the H200 measured them faster (docs/benchmarks.md, 2026-12-04 13:11):
@@ -36,6 +38,7 @@ class LaunchShapes:
     expand_cols_first: bool = False
     graph_shrink_split: int = 0  # 0: the launcher's choice
     graph_expand_tiles: int = 0
+    expand_rank_whole: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "LaunchShapes":

@@ -40,7 +40,8 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # without it every segment gets the longest one's chunk count.
 # Each kernel's launch shape can be changed on its own. Expand: "cf" programs in column-tile order, "emN" N-row
 # tiles, "nN" N-column tiles, "rN" N rank rows a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles
-# walked by one program. Shrink: "skN" N-input tiles, "sxN" the inputs split N ways, "srN" N rank columns a dot,
+# walked by one program, "rw" the whole rank in one dot (with r64: every rank up to 64), the program's column
+# tiles its inner loop. Shrink: "skN" N-input tiles, "sxN" the inputs split N ways, "srN" N rank columns a dot,
 # "swN" N warps, "ssN" N pipeline stages.
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
 # the inputs in other splits and orders, so bf16 results differ by rounding only.
@@ -54,7 +55,11 @@ SHAPE_PLANS = ("bound", "bound t1", "bound r16", "bound t4", "bound w2", "bound 
                "bound sw8", "bound sw2", "bound sk64", "bound sk256", "bound sx2", "bound sr16", "bound ss1",
                "bound ss3", "bound live 128 p128 t2", "bound live 256 p128 t2", "bound cf", "bound cf t1",
                "bound cf t4", "bound cf n64 t4", "bound t8", "bound t32", "bound cf t8", "exact", "exact t2",
-               "exact r16 t2", "exact sw8", "exact cf", "exact cf t2")
+               "exact r16 t2", "exact sw8", "exact cf", "exact cf t2",
+               # Wider column tiles, and the whole rank a step with the column tiles pipelined (added 2026-12-04
+               # after gate,up's expand read at ~1.7 TB/s in S-GQA's decode graphs).
+               "bound n256", "bound n256 t2", "bound rw r64 t4", "bound rw r64 t8", "bound rw r64 t4 s3",
+               "bound rw r64 n256 t2", "bound rw r64 t4 w8", "exact rw r64 t2", "exact rw r64 t4")
 EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog"}
 SHRINK_WORDS = {"sk": "block_k", "sx": "n_split", "sr": "block_r", "sw": "num_warps", "ss": "num_stages"}
 
@@ -87,6 +92,8 @@ class Plan:
                 fields["chunk_items"] = True
             elif word == "cf":  # expand's programs in column-tile order
                 fields["expand"] = fields.get("expand", ()) + (("cols_first", True),)
+            elif word == "rw":  # expand's whole rank in one step, its column tiles the inner loop
+                fields["expand"] = fields.get("expand", ()) + (("rank_whole", True),)
             elif word[:2] == "em" and word[2:].isdigit():  # expand's row tiles alone ("mN" sets both kernels')
                 fields["expand"] = fields.get("expand", ()) + (("block_m", int(word[2:])),)
             elif word[:2] in SHRINK_WORDS and word[2:].isdigit():
@@ -246,7 +253,7 @@ def main() -> None:
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
         plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound n16 t2 w2", "bound sk16 sw2",
-                 "exact live 16", "exact")
+                 "bound rw r64 n16 t2", "exact live 16", "exact")
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
         plans = tuple(args.plan) or (PLANS if args.plans == "graph" else SHAPE_PLANS)

@@ -17,7 +17,7 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound n16 t2 w2", "bound sk16 sw2",
-             "exact live 16", "exact")
+             "bound rw r64 n16 t2", "exact live 16", "exact")
     assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [(d, plan) for d in (1, 3) for plan in plans]
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
@@ -41,6 +41,8 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     assert changed("bound n16 t2 w2", "shrink") == {}
     assert changed("bound sk16 sw2", "shrink") == {"block_k": 16, "num_warps": 2}
     assert changed("bound sk16 sw2", "expand") == {}
+    assert changed("bound rw r64 n16 t2", "expand") == {"rank_whole": True, "block_r": 64, "block_n": 16,
+                                                         "tiles_per_prog": 2}
     assert all(r["adapter_bytes"] > 0 for r in rows)
     # Every plan gives the exact plan's LoRA output (fp32 here: the same up to summation order).
     assert all(r["max_rel_diff_vs_exact"] < 1e-5 for r in rows), [r["max_rel_diff_vs_exact"] for r in rows]
@@ -55,6 +57,8 @@ def test_plans_are_read_from_their_words():
     assert Plan.parse("exact ci t2") == Plan(exact=True, chunk_items=True, expand=(("tiles_per_prog", 2),))
     assert Plan.parse("bound n256 w8") == Plan(exact=False, expand=(("block_n", 256), ("num_warps", 8)))
     assert Plan.parse("bound cf t4") == Plan(exact=False, expand=(("cols_first", True), ("tiles_per_prog", 4)))
+    assert Plan.parse("bound rw r64 t4") == Plan(exact=False, expand=(("rank_whole", True), ("block_r", 64),
+                                                                      ("tiles_per_prog", 4)))
     # Two-letter shrink words before expand's one-letter ones: "ss3" is shrink's stages, "s3" expand's.
     assert Plan.parse("exact ss3 s1 sx2") == Plan(exact=True, expand=(("num_stages", 1),),
                                                    shrink=(("num_stages", 3), ("n_split", 2)))

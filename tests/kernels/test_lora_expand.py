@@ -52,6 +52,33 @@ def test_expand_narrow_tiles_and_rank_blocks(form):
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=11, config=config)
 
 
+SEGMENT_FORMS = [f for f in FORMS if f != "token"]
+
+
+@pytest.mark.parametrize("form", SEGMENT_FORMS)
+@pytest.mark.parametrize("group", ["qkv", "down"])
+def test_expand_whole_rank_a_step_over_pipelined_column_tiles(form, group):
+    # rank_whole: one 64-row step covers every rank (1, 7 and 64 here), the column tiles the inner loop; three
+    # 16-column tiles a program, the last group of a module partly past its end; ranks below 64 read no rows
+    # past their own (the pool holds other adapters' rows there).
+    config = ExpandConfig(block_r=64, block_n=16, tiles_per_prog=3, chunk_tokens=16 if form == "segments" else 0,
+                          rank_whole=True)
+    run_case(ALIGNED_CFG, torch.float32, form, GROUPS[group], seed=41, config=config)
+
+
+def test_expand_whole_rank_needs_a_step_covering_the_batch_ranks():
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=43)
+    gen = torch.Generator().manual_seed(44)
+    token_adapter, kwargs = make_batch("grouped", lp.num_adapters, gen)
+    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in GROUPS["qkv"])
+    y = torch.randn(3, token_adapter.shape[0], 64, generator=gen)
+    out = torch.zeros(token_adapter.shape[0], sum(out_dims))
+    config = ExpandConfig(block_r=32, block_n=16, rank_whole=True)
+    with pytest.raises(ValueError, match="rank_whole: block_r 32 is below the batch's max rank 64"):
+        lora_expand(y, lp.v_buf, token_adapter, lp.tables, GROUPS["qkv"], out, out_dims, config=config, **kwargs)
+    assert not out.any()
+
+
 def test_expand_writes_into_a_column_view_of_a_wider_output():
     # The fused projection output is often a view: row stride wider than the q,k,v columns.
     lp = LoraPool(ALIGNED_CFG, torch.float32, seed=13)
@@ -138,6 +165,13 @@ def test_a_graphs_launch_walks_several_column_tiles_a_program():
         assert choose_expand_config(**common).tiles_per_prog == 2
         set_launch_shapes(LaunchShapes.parse("graph_expand_tiles=64"))
         assert choose_expand_config(**common).tiles_per_prog == 4096 // 128
+        # expand_rank_whole: the batch's whole rank a step, in the graphs planned for every segment only.
+        set_launch_shapes(LaunchShapes.parse("expand_rank_whole"))
+        whole = choose_expand_config(**common)
+        assert (whole.rank_whole, whole.block_r, whole.tiles_per_prog) == (True, 64, 4)
+        assert choose_expand_config(**{**common, "max_rank": 16}).block_r == 16
+        assert not choose_expand_config(**common, live_segments=32, segment_programs=32).rank_whole
+        assert not choose_expand_config(**common, max_seg_len=3).rank_whole
     finally:
         set_launch_shapes(LaunchShapes())
     # Its ranks are stepped 16 rows at a time (many adapters' mixed ranks); a few-adapter graph's programs,

@@ -88,6 +88,7 @@ def _expand_segment_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr,
     SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr, COLS_FIRST: tl.constexpr,
+    RANK_WHOLE: tl.constexpr,
 ):
     if COLS_FIRST:
         col_pid, seg_pid = tl.program_id(0), tl.program_id(2)
@@ -112,7 +113,7 @@ def _expand_segment_kernel(
                 _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
                                 stride_slots, b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo,
                                 n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
-                                PRECISION)
+                                PRECISION, RANK_WHOLE)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, seg_pid, tl.program_id(1), HAS_ITEMS)
         a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank,
@@ -121,7 +122,7 @@ def _expand_segment_kernel(
             return
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim,
-                        C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION)
+                        C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
 
 
 @triton.jit
@@ -143,8 +144,9 @@ def _expand_segment(
     out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
+    RANK_WHOLE: tl.constexpr,
 ):
-    """Positions p_lo .. p_hi - 1 of one adapter's segment, one program's column tile of module g."""
+    """Positions p_lo .. p_hi - 1 of one adapter's segment, one program's column tiles of module g."""
     first = tl.load(b_off_ptr + a * 7 + m)
     list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
     n_chunks = (out_dim + W - 1) // W
@@ -159,6 +161,12 @@ def _expand_segment(
             tok = pos
         o_rows = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + col0
         y_rows = y_base + tok.to(tl.int64)[:, None] * stride_yt
+        if RANK_WHOLE:
+            # Every rank fits one BLOCK_R step: the token tile's y rows are read once, and the column tiles are
+            # the program's innermost loop, so the next tile's Bᵀ rows and outputs can be loaded while this
+            # one's are summed (a decode segment's rank loop has only one to four steps to overlap).
+            whole = tl.arange(0, BLOCK_R)
+            y_whole = tl.load(y_rows + whole[None, :], mask=p_mask[:, None] & (whole < rank)[None, :], other=0.0)
         # Each Bᵀ tile is read once for all of the segment's tokens in this token tile.
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
@@ -168,13 +176,18 @@ def _expand_segment(
                 mask = p_mask[:, None] & (cols < out_dim)[None, :]
             o = tl.load(o_rows + cols[None, :], mask=mask, other=0.0)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):
-                rows = r0 + tl.arange(0, BLOCK_R)
-                row_mask = rows < rank
-                yt = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & row_mask[None, :], other=0.0)
-                w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W,
+            if RANK_WHOLE:
+                w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, whole, whole < rank, n0, out_dim, W,
                                       n_chunks, BLOCK_N, ALIGNED, EVEN)
-                acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
+                acc = tl.dot(y_whole, w.to(y_whole.dtype), acc, input_precision=PRECISION)
+            else:
+                for r0 in range(0, rank, BLOCK_R):
+                    rows = r0 + tl.arange(0, BLOCK_R)
+                    row_mask = rows < rank
+                    yt = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & row_mask[None, :], other=0.0)
+                    w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W,
+                                          n_chunks, BLOCK_N, ALIGNED, EVEN)
+                    acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
             tl.store(o_rows + cols[None, :], (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -199,6 +212,9 @@ class ExpandConfig:
     # first: programs running side by side then read neighbouring 256-byte pieces of the same adapter rows
     # instead of one piece from each of many adapters' rows.
     cols_first: bool = False
+    # Segment form: a program's whole rank in one BLOCK_R step (block_r must cover the batch's max rank), its
+    # column tiles the loop the loads pipeline over.
+    rank_whole: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
@@ -273,9 +289,14 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         # latter's q,k,v expand took 43.8 against 48.9 µs with two tiles a program and 54.0 against 71.5 with
         # one (docs/results/graph_live_segments_expand_tiles.json); over 5 adapters, which replay the
         # few-adapter graphs, two tiles lost 5-14% with them.
-        return ExpandConfig(block_r=16 if max_rank <= 16 or short_prefill or graph_bound else 32, block_n=block_n,
-                            tiles_per_prog=tiles, block_m=block_m, chunk_tokens=chunk,
-                            segment_programs=segment_programs, cols_first=launch_shapes().expand_cols_first)
+        block_r = 16 if max_rank <= 16 or short_prefill or graph_bound else 32
+        # kernel_shapes' expand_rank_whole: the graph's whole rank in one step (rank buckets reach 64).
+        whole = graph_wide and launch_shapes().expand_rank_whole and max_rank <= 64
+        if whole:
+            block_r = max(16, next_pow2(max_rank))
+        return ExpandConfig(block_r=block_r, block_n=block_n, tiles_per_prog=tiles, block_m=block_m,
+                            chunk_tokens=chunk, segment_programs=segment_programs,
+                            cols_first=launch_shapes().expand_cols_first, rank_whole=whole)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n,
                         cols_first=launch_shapes().expand_cols_first)
 
@@ -341,6 +362,9 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         seg = segment_form(cfg, num_tokens, max_seg_len, seg_start, seg_adapter, token_order, num_live, chunk_items,
                            y.dtype, device)
         common.update(seg.constexprs)
+        if cfg.rank_whole:
+            require(cfg.block_r >= y_rank, f"rank_whole: block_r {cfg.block_r} is below the batch's max rank {y_rank}")
+        common["RANK_WHOLE"] = cfg.rank_whole
         grid = (seg.axis, seg.chunks, num_groups * n_col_groups)
         kernel_fn = _expand_segment_kernel
     else:
