@@ -23,9 +23,14 @@ from triton.runtime import jit as triton_jit  # noqa: E402
 
 from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config, paged_kv  # noqa: E402
 from services.gpu_worker import kernels  # noqa: E402
-from services.gpu_worker.kernels import lora_expand, lora_shrink, paged_attention  # noqa: E402
+import importlib  # noqa: E402
+
+# The modules themselves: the package's names lora_expand and lora_shrink are the launcher functions.
+lora_expand, lora_shrink, paged_attention = (importlib.import_module(f"services.gpu_worker.kernels.{name}")
+                                             for name in ("lora_expand", "lora_shrink", "paged_attention"))
 
 TARGET = GPUTarget("cuda", 90, 32)
+WHOLE_RANK = lora_expand.ExpandConfig(block_r=64, block_n=128, tiles_per_prog=4, rank_whole=True)
 RESULTS: list[dict] = []
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -71,6 +76,9 @@ def launch_everything(dtype=torch.bfloat16) -> None:
                 for kwargs in ({}, grouped, shared):
                     y = kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, 64, **kwargs)
                     kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, **kwargs)
+                if num_tokens == 512:  # the whole-rank expand (kernel_shapes expand_rank_whole), as a graph's
+                    kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims,
+                                        config=WHOLE_RANK, **grouped)
             seg = dict(seg_start=torch.tensor([0, 700, 1024], dtype=torch.int32),
                        seg_adapter=torch.tensor([1, 3], dtype=torch.int32), max_seg_len=700)
             token_adapter = torch.tensor([1] * 700 + [3] * 324, dtype=torch.int32)

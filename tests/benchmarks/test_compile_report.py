@@ -1,0 +1,53 @@
+"""The sm_90 compile report compiles real GPU code on a machine without one (Triton's bundled ptxas)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from bench import REPO, child_env
+
+SCRIPT = """
+import torch
+import benchmarks.kernels.compile_report as cr
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
+from services.gpu_worker import kernels
+cr.triton_jit.JITFunction.run = cr._compile_instead_of_launch
+cfg = llama_config("llama3-8b")
+pool = AdapterPool(cfg, [8, 16, 32, 64], torch.bfloat16, "cpu")
+modules = GROUPS["gate_up"]
+fan_in, out_dims = group_dims(cfg, modules)
+token_adapter = (torch.arange(512, dtype=torch.int32) * 7) % 4
+grouped = kernels.group_tokens_by_adapter(token_adapter, 100).kwargs()
+y = torch.zeros(len(modules), 512, 64, dtype=torch.bfloat16)
+out = torch.zeros(512, sum(out_dims), dtype=torch.bfloat16)
+kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, config=cr.WHOLE_RANK, **grouped)
+(r,) = cr.RESULTS
+print(r["kernel"], r["consts"]["RANK_WHOLE"], r.get("REG"), r.get("LOCAL", 0), r.get("STACK", 0))
+"""
+
+
+def compile_env() -> dict[str, str]:
+    """A child's environment without the Triton interpreter the test session runs under."""
+    env = child_env()
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def test_the_report_patches_the_launcher_modules_not_the_launcher_functions():
+    env = compile_env()
+    code = ("import types, benchmarks.kernels.compile_report as cr; "
+            "print(all(isinstance(m, types.ModuleType) for m in (cr.lora_expand, cr.lora_shrink, cr.paged_attention)))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True"]
+
+
+def test_the_whole_rank_expand_compiles_for_sm90_without_spills():
+    env = compile_env()
+    run = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    kernel, whole, regs, local, stack = run.stdout.split()
+    assert (kernel, whole, local, stack) == ("_expand_segment_kernel", "True", "0", "0")
+    assert 0 < int(regs) <= 255
