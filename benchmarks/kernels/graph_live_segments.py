@@ -42,7 +42,7 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # tiles, "nN" N-column tiles, "rN" N rank rows a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles
 # walked by one program, "rw" the whole rank in one dot (with r64: every rank up to 64), the program's column
 # tiles its inner loop. Shrink: "skN" N-input tiles, "sxN" the inputs split N ways, "srN" N rank columns a dot,
-# "swN" N warps, "ssN" N pipeline stages.
+# "swN" N warps, "ssN" N pipeline stages, "smN" N-token tiles.
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
 # the inputs in other splits and orders, so bf16 results differ by rounding only.
 RESULT_TOLERANCE = 2e-2
@@ -61,7 +61,8 @@ SHAPE_PLANS = ("bound", "bound t1", "bound r16", "bound t4", "bound w2", "bound 
                "bound n256", "bound n256 t2", "bound rw r64 t4", "bound rw r64 t8", "bound rw r64 t4 s3",
                "bound rw r64 n256 t2", "bound rw r64 t4 w8", "exact rw r64 t2", "exact rw r64 t4")
 EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog"}
-SHRINK_WORDS = {"sk": "block_k", "sx": "n_split", "sr": "block_r", "sw": "num_warps", "ss": "num_stages"}
+SHRINK_WORDS = {"sk": "block_k", "sx": "n_split", "sr": "block_r", "sw": "num_warps", "ss": "num_stages",
+                "sm": "block_m"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,6 +57,7 @@ def test_plans_are_read_from_their_words():
     assert Plan.parse("exact ci t2") == Plan(exact=True, chunk_items=True, expand=(("tiles_per_prog", 2),))
     assert Plan.parse("bound n256 w8") == Plan(exact=False, expand=(("block_n", 256), ("num_warps", 8)))
     assert Plan.parse("bound cf t4") == Plan(exact=False, expand=(("cols_first", True), ("tiles_per_prog", 4)))
+    assert Plan.parse("bound live 32 p32 sm64") == Plan(exact=False, live=32, programs=32, shrink=(("block_m", 64),))
     assert Plan.parse("bound rw r64 t4") == Plan(exact=False, expand=(("rank_whole", True), ("block_r", 64),
                                                                       ("tiles_per_prog", 4)))
     # Two-letter shrink words before expand's one-letter ones: "ss3" is shrink's stages, "s3" expand's.
