@@ -242,9 +242,9 @@ def _shrink_finalize_kernel(
     tl.store(out_ptr + base + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < max_rank)
 
 
-# A decode graph replayed by steps of many adapters launches a segment per token, most of them busy or not
-# (it cannot know which): planned for all of them, its few busy programs each read a rank tile's whole input
-# alone. On the H200 (docs/benchmarks.md, 2026-12-04 16:24) splitting the input 4 ways took Llama-3-8B's
+# A decode graph replayed by steps of many adapters launches a segment per token, not knowing which of them
+# hold tokens: planned as if all did, its input went unsplit, and each of its busy programs read a rank tile's
+# whole input alone. On the H200 (docs/benchmarks.md, 2026-12-04 16:24) splitting the input 4 ways took Llama-3-8B's
 # shrink at batch 512 over 100 adapters from 37.0 to 32.2 µs a layer for q,k,v, 19.3 to 15.9 for o, 30.2 to
 # 23.9 for gate,up and 51.9 to 39.9 for down; over 250 adapters it was within 2.5% either way.
 GRAPH_SHRINK_MIN_SPLIT = 4
