@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
+from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, add_synthetic_adapters
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
 from services.gpu_worker.requests import EngineRequest
@@ -28,10 +28,7 @@ from services.gpu_worker.sampling import SamplingParams
 from shared.config import EngineConfig
 from shared.kernel_shapes import LaunchShapes
 from shared.model_config import MODULES, ModelConfig
-
-TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-RANKS = (8, 16, 32, 64)
+from shared.tiny_model import VOCAB_SIZE, hf_config
 
 
 def sync(device: torch.device) -> None:
@@ -40,8 +37,9 @@ def sync(device: torch.device) -> None:
 
 
 def build(args) -> tuple[Engine, list[str]]:
-    if args.smoke:
-        cfg, targets, device, dtype, graphs = ModelConfig.from_hf(TINY), tuple(MODULES), "cpu", "float32", False
+    if args.smoke:  # the tiny test model's shapes, every module adapted
+        cfg, targets, device, dtype, graphs = ModelConfig.from_hf(hf_config("tiny", VOCAB_SIZE)), tuple(MODULES), \
+            "cpu", "float32", False
     else:
         cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
         targets, device, dtype, graphs = TARGETS[args.model], "cuda", "bfloat16", True
@@ -49,14 +47,7 @@ def build(args) -> tuple[Engine, list[str]]:
         device=device, dtype=dtype, num_slots=4096 if args.smoke else 0, max_lora_rank=64, max_running_requests=args.batch,
         max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(args.batch, EngineConfig.cuda_graph_max_batch),
         kernel_shapes=args.a, overlap_steps=False))  # one step timed at a time
-    names = []
-    for i in range(args.adapters):
-        names.append(f"a{i}")
-        adapter = synthetic_adapter(names[-1], cfg, RANKS[i % len(RANKS)], targets, engine.device)
-        if args.smoke:
-            adapter.rows = adapter.rows.float()
-        engine._local_adapters[names[-1]] = adapter
-    return engine, names
+    return engine, add_synthetic_adapters(engine, args.adapters, targets)
 
 
 def main() -> int:

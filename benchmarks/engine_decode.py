@@ -29,12 +29,23 @@ LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, interm
 TARGETS = {"llama2-7b": ("q_proj", "k_proj", "v_proj", "o_proj"), "llama3-8b": tuple(MODULES)}
 
 
-def synthetic_adapter(name: str, cfg: ModelConfig, rank: int, targets: tuple[str, ...], device) -> PackedAdapter:
+def synthetic_adapter(name: str, cfg: ModelConfig, rank: int, targets: tuple[str, ...], device,
+                      dtype: torch.dtype = torch.bfloat16) -> PackedAdapter:
     """Random rows already in pool format, made on the GPU (packing thousands of MB on the host is slow)."""
     ranks = tuple(rank if m in targets else 0 for m in MODULES)
     a_off, b_off, n_slots = layout_offsets(ranks, cfg, cfg.kv_dim)
-    rows = torch.randn(cfg.num_layers, 2, n_slots, cfg.kv_dim, device=device, dtype=torch.bfloat16) * 0.01
+    rows = torch.randn(cfg.num_layers, 2, n_slots, cfg.kv_dim, device=device, dtype=dtype) * 0.01
     return PackedAdapter(name, rows, ranks, a_off, b_off)
+
+
+def add_synthetic_adapters(engine: Engine, count: int, targets: tuple[str, ...],
+                           ranks: tuple[int, ...] = (8, 16, 32, 64)) -> list[str]:
+    """`count` adapters a0, a1, ... in the engine's own store, ranks cycling over `ranks`; their names."""
+    names = [f"a{i}" for i in range(count)]
+    for i, name in enumerate(names):
+        engine._local_adapters[name] = synthetic_adapter(name, engine.cfg, ranks[i % len(ranks)], targets,
+                                                         engine.device, engine.dtype)
+    return names
 
 
 def measure(engine: Engine, batch: int, adapters: list[str], prompt_len: int, steps: int) -> dict:

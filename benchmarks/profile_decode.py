@@ -14,7 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
+from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, add_synthetic_adapters
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
@@ -46,11 +46,7 @@ def main() -> int:
                                                          cuda_graph_few_adapters=args.few_adapters,
                                                          kernel_shapes=args.kernel_shapes,
                                                          overlap_steps=False))  # one step profiled at a time
-    ranks = (8, 16, 32, 64)
-    names = []
-    for i in range(args.adapters):
-        names.append(f"a{i}")
-        engine._local_adapters[names[-1]] = synthetic_adapter(names[-1], cfg, ranks[i % 4], targets, engine.device)
+    names = add_synthetic_adapters(engine, args.adapters, targets)
     report = []
     for label, used in (("base", []), ("lora", names)):
         for i in range(args.batch):

@@ -6,6 +6,7 @@ and cuobjdump; launches nothing. Usage: python -m benchmarks.kernels.compile_rep
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -23,7 +24,6 @@ from triton.runtime import jit as triton_jit  # noqa: E402
 
 from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config, paged_kv  # noqa: E402
 from services.gpu_worker import kernels  # noqa: E402
-import importlib  # noqa: E402
 
 # The modules themselves: the package's names lora_expand and lora_shrink are the launcher functions.
 lora_expand, lora_shrink, paged_attention = (importlib.import_module(f"services.gpu_worker.kernels.{name}")

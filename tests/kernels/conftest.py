@@ -6,13 +6,16 @@ never straddle a slot) and one of 20 (rows straddle slots inside a tile), with o
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from services.gpu_worker.adapter_layout import pack_adapter
+from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
 from services.gpu_worker.ops.meta import LoraTables
 from services.gpu_worker.pool import UnifiedPool
+from shared.kernel_shapes import LaunchShapes
 from shared.lora_weights import LoraModuleWeights, LoraWeights
 from shared.model_config import MODULES, ModelConfig
 
@@ -100,3 +103,13 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
     assert err < tol, f"relative error {err:.2e} exceeds {tol:.0e}"
     zero = ref == 0
     assert torch.equal(out[zero], ref[zero]), "kernel wrote non-zero values where the reference is zero"
+
+
+@contextmanager
+def launch_shapes_set(text: str):
+    """The worker's kernel_shapes set to `text` for the block, the defaults again after."""
+    set_launch_shapes(LaunchShapes.parse(text))
+    try:
+        yield
+    finally:
+        set_launch_shapes(LaunchShapes())

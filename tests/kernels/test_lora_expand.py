@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import ALIGNED_CFG, LoraPool, assert_matches
+from conftest import ALIGNED_CFG, LoraPool, assert_matches, launch_shapes_set
 from lora_cases import FORMS, make_batch
 
 from services.gpu_worker.kernels import lora_expand
@@ -145,9 +145,7 @@ def test_expand_launched_column_tile_first_adds_the_same_bits(form, programs):
 
 
 def test_a_graphs_launch_walks_several_column_tiles_a_program():
-    from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
     from services.gpu_worker.kernels.lora_expand import GRAPH_WIDE_TILES, choose_expand_config
-    from shared.kernel_shapes import LaunchShapes
 
     # A decode graph's launch of 256 tokens (a segment per token, max_seg_len unknown): several column tiles a
     # program, so fewer programs find their segment empty: four for q,k,v's 96 tiles, two for o's 32. An eager
@@ -160,20 +158,17 @@ def test_a_graphs_launch_walks_several_column_tiles_a_program():
     assert graph.tiles_per_prog == 4 and graph.block_n == 128
     assert choose_expand_config(**{**common, "num_groups": 1, "out_dims": (4096,)}).tiles_per_prog == 2
     # kernel_shapes' graph_expand_tiles sets it, up to the tiles there are.
-    try:
-        set_launch_shapes(LaunchShapes.parse("graph_expand_tiles=2"))
+    with launch_shapes_set("graph_expand_tiles=2"):
         assert choose_expand_config(**common).tiles_per_prog == 2
-        set_launch_shapes(LaunchShapes.parse("graph_expand_tiles=64"))
+    with launch_shapes_set("graph_expand_tiles=64"):
         assert choose_expand_config(**common).tiles_per_prog == 4096 // 128
-        # expand_rank_whole: the batch's whole rank a step, in the graphs planned for every segment only.
-        set_launch_shapes(LaunchShapes.parse("expand_rank_whole"))
+    # expand_rank_whole: the batch's whole rank a step, in the graphs planned for every segment only.
+    with launch_shapes_set("expand_rank_whole"):
         whole = choose_expand_config(**common)
         assert (whole.rank_whole, whole.block_r, whole.tiles_per_prog) == (True, 64, 4)
         assert choose_expand_config(**{**common, "max_rank": 16}).block_r == 16
         assert not choose_expand_config(**common, live_segments=32, segment_programs=32).rank_whole
         assert not choose_expand_config(**common, max_seg_len=3).rank_whole
-    finally:
-        set_launch_shapes(LaunchShapes())
     # Its ranks are stepped 16 rows at a time (many adapters' mixed ranks); a few-adapter graph's programs,
     # which share the segments out, keep 32-row steps.
     assert graph.block_r == 16

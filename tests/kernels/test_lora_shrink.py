@@ -2,31 +2,18 @@
 from __future__ import annotations
 
 import zlib
-from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import ALIGNED_CFG, LoraPool, assert_matches
+from conftest import ALIGNED_CFG, LoraPool, assert_matches, launch_shapes_set
 from lora_cases import FORMS, make_batch
 
 from services.gpu_worker.kernels import lora_shrink
-from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
 from services.gpu_worker.kernels.lora_shrink import GRAPH_SHRINK_MIN_SPLIT, ShrinkConfig, choose_shrink_config
 from services.gpu_worker.ops import reference
-from shared.kernel_shapes import LaunchShapes
 from shared.model_config import MODULES
 
 GROUPS = {"qkv": (0, 1, 2), "gate_up": (4, 5), "down": (6,)}
-
-
-@contextmanager
-def shapes(text: str):
-    """The worker's kernel_shapes set to `text` for the block, the defaults again after."""
-    set_launch_shapes(LaunchShapes.parse(text))
-    try:
-        yield
-    finally:
-        set_launch_shapes(LaunchShapes())
 
 
 def run_case(cfg, dtype, form, modules, seed, config=None, with_live=True):
@@ -98,9 +85,9 @@ def test_a_graph_plans_its_input_split_for_the_segments_that_carry_tokens():
     # Planned for every segment the split is the graphs' least one, not one that fills the GPU from 32 busy
     # segments; graph_shrink_split=1 keeps the split the segment count alone gives.
     assert choose_shrink_config(**common).n_split == GRAPH_SHRINK_MIN_SPLIT
-    with shapes("graph_shrink_split=1"):
+    with launch_shapes_set("graph_shrink_split=1"):
         assert choose_shrink_config(**common).n_split == 1
-    with shapes("graph_shrink_split=8"):
+    with launch_shapes_set("graph_shrink_split=8"):
         assert choose_shrink_config(**common).n_split == 8
     planned = choose_shrink_config(**common, live_segments=1)
     assert planned.n_split > GRAPH_SHRINK_MIN_SPLIT
@@ -134,7 +121,7 @@ def test_live_segments_change_the_launch_and_not_the_result():
     bound = kwargs["seg_adapter"].shape[0]
     fan_in = ALIGNED_CFG.hidden_size
     # Without the graphs' least split (the tiny inputs allow two ways at most), so the plans differ.
-    with shapes("graph_shrink_split=1"):
+    with launch_shapes_set("graph_shrink_split=1"):
         plans = {choose_shrink_config(x.shape[0], 3, fan_in, lp.k_buf.shape[1], max_rank, x.device, True, None,
                                       bound, live).n_split for live in (None, 1)}
     assert len(plans) == 2  # one split for the bound, another for a single live segment

@@ -277,26 +277,28 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         # a chunk at most `chunk` tokens): two tiles a program while that still fills the GPU.
         prefill_wide = (long_segments and not segment_programs
                         and units * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
+        shapes = launch_shapes()
         graph_wide = graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS
-        tiles = 2 if graph_wide or prefill_wide else 1
         if graph_wide:
-            tiles = launch_shapes().graph_expand_tiles or (
-                4 if num_groups * n_tiles_of(block_n) >= GRAPH_WIDE_TILES else 2)
-        tiles = max(1, min(tiles, n_tiles_of(block_n)))
+            tiles = shapes.graph_expand_tiles or (4 if num_groups * n_tiles_of(block_n) >= GRAPH_WIDE_TILES else 2)
+        else:
+            tiles = 2 if prefill_wide else 1
+        tiles = min(tiles, n_tiles_of(block_n))
         # 16-row rank steps where many adapters' mixed ranks share a launch: a chunked prefill of short
         # segments (above) and a graph planned for every segment (one replayed by steps of more than
         # cuda_graph_few_adapters adapters). On the H200 at batch 256 over 100 adapters (S2, ranks 8-64) the
         # latter's q,k,v expand took 43.8 against 48.9 µs with two tiles a program and 54.0 against 71.5 with
         # one (docs/results/graph_live_segments_expand_tiles.json); over 5 adapters, which replay the
         # few-adapter graphs, two tiles lost 5-14% with them.
-        block_r = 16 if max_rank <= 16 or short_prefill or graph_bound else 32
         # kernel_shapes' expand_rank_whole: the graph's whole rank in one step (rank buckets reach 64).
-        whole = graph_wide and launch_shapes().expand_rank_whole and max_rank <= 64
+        whole = graph_wide and shapes.expand_rank_whole and max_rank <= 64
         if whole:
             block_r = max(16, next_pow2(max_rank))
+        else:
+            block_r = 16 if max_rank <= 16 or short_prefill or graph_bound else 32
         return ExpandConfig(block_r=block_r, block_n=block_n, tiles_per_prog=tiles, block_m=block_m,
                             chunk_tokens=chunk, segment_programs=segment_programs,
-                            cols_first=launch_shapes().expand_cols_first, rank_whole=whole)
+                            cols_first=shapes.expand_cols_first, rank_whole=whole)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n,
                         cols_first=launch_shapes().expand_cols_first)
 
@@ -362,8 +364,8 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         seg = segment_form(cfg, num_tokens, max_seg_len, seg_start, seg_adapter, token_order, num_live, chunk_items,
                            y.dtype, device)
         common.update(seg.constexprs)
-        if cfg.rank_whole:
-            require(cfg.block_r >= y_rank, f"rank_whole: block_r {cfg.block_r} is below the batch's max rank {y_rank}")
+        if cfg.rank_whole and cfg.block_r < y_rank:
+            raise ValueError(f"rank_whole: block_r {cfg.block_r} is below the batch's max rank {y_rank}")
         common["RANK_WHOLE"] = cfg.rank_whole
         grid = (seg.axis, seg.chunks, num_groups * n_col_groups)
         kernel_fn = _expand_segment_kernel

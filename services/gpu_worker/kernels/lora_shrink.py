@@ -305,8 +305,10 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     base = max(1, n_units * num_groups * r_tiles)
     least = 1
     segments = num_segments if num_segments is not None else num_tokens
-    if segmented and max_seg_len is None and not segment_programs and (live_segments or segments) >= segments:
-        least = launch_shapes().graph_shrink_split or GRAPH_SHRINK_MIN_SPLIT  # see GRAPH_SHRINK_MIN_SPLIT
+    # A graph's launch planned as if every segment held tokens (see GRAPH_SHRINK_MIN_SPLIT).
+    if (segmented and max_seg_len is None and not segment_programs
+            and planned_segments(segments, live_segments, 0) == segments):
+        least = launch_shapes().graph_shrink_split or GRAPH_SHRINK_MIN_SPLIT
     n_split = max(1, min(max(cdiv(target, base), least), cdiv(fan_in, block_k), 64))
     # The segment form's loads feed tl.dot and are software-pipelined; three stages measured faster.
     return ShrinkConfig(block_r=block_r, block_k=block_k, n_split=n_split, block_m=block_m, chunk_tokens=chunk,
