@@ -21,6 +21,7 @@ import time
 import torch
 
 from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, add_synthetic_adapters
+from services.gpu_worker.cuda_graphs import context_bucket
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
 from services.gpu_worker.requests import EngineRequest
@@ -34,6 +35,15 @@ from shared.tiny_model import VOCAB_SIZE, hf_config
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def check_one_context_bucket(longest: int, steps: int, max_len: int) -> None:
+    """Raise unless a run of `steps` decode steps from a longest context of `longest` stays in one context
+    bucket: a step past it replays graphs of the next bucket, captured inside a timed round."""
+    first, last = context_bucket(longest, max_len), context_bucket(longest + steps, max_len)
+    if first != last:
+        raise ValueError(f"the longest context goes from {longest} to {longest + steps} tokens over the run, past the "
+                         f"graphs' {first}-token context bucket: shorten --prompt-len or the rounds")
 
 
 def build(args) -> tuple[Engine, list[str]]:
@@ -67,15 +77,19 @@ def main() -> int:
         args.batch, args.adapters, args.prompt_len, args.rounds, args.steps = 4, 3, 8, 2, 2
     settings = {"A": LaunchShapes.parse(args.a), "B": LaunchShapes.parse(args.b)}  # a bad word fails here
     engine, names = build(args)
-    # Every request lasts the whole run: the batch never shrinks to another graph's size. Each round also runs
-    # one untimed step after switching settings (a first capture falls there).
-    decode_steps = args.rounds * 2 * (args.steps + 1) + 4
+    # Every request lasts the whole run (the batch never shrinks to another graph's size), counting the decode
+    # steps the first admitted run during the others' prefill (at most one a prefill step, at most one prefill
+    # step a request). Each round also runs one untimed step after switching settings (a first capture falls
+    # there).
+    decode_steps = args.rounds * 2 * (args.steps + 1) + 2
     for i in range(args.batch):
         engine.add_request(EngineRequest(f"r{i}", [5 + i % 100] * args.prompt_len,
-                                         SamplingParams(max_tokens=decode_steps + 8, ignore_eos=True),
+                                         SamplingParams(max_tokens=decode_steps + args.batch + 8, ignore_eos=True),
                                          names[i % len(names)] if names else None))
     while len(engine.running) < args.batch or any(s.remaining > 1 for s in engine.running):
         engine.step()  # prefill
+    longest = max(s.num_computed + 1 for s in engine.running)
+    check_one_context_bucket(longest, decode_steps, engine.page_table.max_len)
     for _ in range(2):
         engine.step()
     graphs = {"A": engine.graphs.graphs if engine.graphs is not None else None, "B": {}}
@@ -92,12 +106,14 @@ def main() -> int:
                 engine.step()
             sync(engine.device)
             times[label].append((time.perf_counter() - t0) / args.steps * 1e3)
+            if len(engine.running) != args.batch:
+                raise RuntimeError(f"{len(engine.running)} requests running after round {r + 1}, not {args.batch}")
         print(f"round {r + 1}/{args.rounds}: A {times['A'][-1]:.3f} ms, B {times['B'][-1]:.3f} ms a step",
               file=sys.stderr, flush=True)
     set_launch_shapes(LaunchShapes())
     paired = [b - a for a, b in zip(times["A"], times["B"])]
     result = {"model": "tiny" if args.smoke else args.model, "batch": args.batch, "adapters": args.adapters,
-              "prompt_len": args.prompt_len, "a": args.a, "b": args.b, "rounds": args.rounds, "steps": args.steps,
+              "prompt_len": args.prompt_len, "longest_context": [longest, longest + decode_steps], "a": args.a, "b": args.b, "rounds": args.rounds, "steps": args.steps,
               "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
               "torch": torch.__version__, "step_ms": times,
               "median_ms": {k: statistics.median(v) for k, v in times.items()},

@@ -52,6 +52,15 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= value)
 
 
+def context_bucket(ctx: int, max_len: int) -> int:
+    """The context a decode graph is planned for, for a step whose longest context is `ctx`: a power of two
+    from MIN_CONTEXT_BUCKET, at most `max_len` (the page table's)."""
+    bucket_len = MIN_CONTEXT_BUCKET
+    while bucket_len < ctx:
+        bucket_len *= 2
+    return min(bucket_len, max_len)
+
+
 def lora_plans(size: int, few_adapters: int) -> tuple[bool, ...]:
     """The LoRA launch plans a batch bucket replays (True = the few-adapter plan): a bucket of at most
     `few_adapters` requests never carries more adapters than that."""
@@ -129,10 +138,7 @@ class DecodeGraphs:
         return num_seqs <= self.batch_buckets[-1]
 
     def _context_bucket(self, ctx: int) -> int:
-        bucket_len = MIN_CONTEXT_BUCKET
-        while bucket_len < ctx:
-            bucket_len *= 2
-        return min(bucket_len, self.page_table.max_len)
+        return context_bucket(ctx, self.page_table.max_len)
 
     def _batch(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]) -> ForwardBatch:
         x = self.inputs[:, :size]

@@ -6,6 +6,8 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 from bench import REPO, child_env
 
 
@@ -21,6 +23,8 @@ def test_smoke_run_times_both_settings_in_paired_rounds(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert (result["a"], result["b"], result["rounds"]) == ("graph_expand_tiles=2,graph_shrink_split=1", "", 2)
+    first, last = result["longest_context"]
+    assert first > result["prompt_len"] and last == first + 2 * 2 * (result["steps"] + 1) + 2
     a, b = result["step_ms"]["A"], result["step_ms"]["B"]
     assert len(a) == len(b) == 2 and all(t > 0 for t in a + b)
     assert result["median_ms"] == {"A": statistics.median(a), "B": statistics.median(b)}
@@ -33,3 +37,13 @@ def test_an_unknown_word_fails_before_the_engine_is_built(tmp_path):
     proc, out = run(tmp_path, "--b", "graph_expand_tiles=3")
     assert proc.returncode != 0 and not out.exists()
     assert "graph_expand_tiles needs a power of two" in proc.stderr
+
+
+def test_a_run_past_its_context_bucket_is_refused_before_timing():
+    from benchmarks.decode_ab import check_one_context_bucket
+
+    check_one_context_bucket(400, 100, 4096)  # 500 tokens: the 512-token bucket throughout
+    check_one_context_bucket(600, 400, 4096)  # 1000: the 1024 bucket throughout
+    check_one_context_bucket(3000, 5000, 4096)  # the page table's length caps the last bucket
+    with pytest.raises(ValueError, match="past the graphs' 512-token context bucket"):
+        check_one_context_bucket(470, 84, 4096)
