@@ -16,6 +16,9 @@ Words, comma-separated:
                         (default 4; 1 keeps the split planned from the segment count alone)
   graph_expand_tiles=N  column tiles a LoRA expand program walks in a decode graph planned for every segment
                         (default 4 for groups of 64 column tiles or more, 2 for the others)
+  graph_few_shrink_m=N  token rows a LoRA shrink tile holds in a decode graph of the few-adapter plan
+                        (cuda_graph_few_adapters; default 16, at most 128): its segments average batch / 32
+                        tokens or more, and a tile is one pass over the program's slice of adapter rows
   expand_rank_whole     in such a graph, a LoRA expand program takes its adapter's whole rank in one step and
                         pipelines over its column tiles (ExpandConfig.rank_whole); off until measured
   no_<word>             turns off a word that is on by default, as no_split_mixed
@@ -38,6 +41,7 @@ class LaunchShapes:
     expand_cols_first: bool = False
     graph_shrink_split: int = 0  # 0: the launcher's choice
     graph_expand_tiles: int = 0
+    graph_few_shrink_m: int = 0
     expand_rank_whole: bool = False
 
     @classmethod
@@ -64,4 +68,6 @@ class LaunchShapes:
                 values[name] = on
         if values.get("attention_block_n", 16) < 16:
             raise ValueError("kernel_shapes: attention_block_n must be at least 16 (a tl.dot tile)")
+        if not 16 <= values.get("graph_few_shrink_m", 16) <= 128:
+            raise ValueError("kernel_shapes: graph_few_shrink_m must be 16 to 128 (a tl.dot tile, within shared memory)")
         return cls(**values)

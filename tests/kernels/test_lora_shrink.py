@@ -9,7 +9,8 @@ from conftest import ALIGNED_CFG, LoraPool, assert_matches, launch_shapes_set
 from lora_cases import FORMS, make_batch
 
 from services.gpu_worker.kernels import lora_shrink
-from services.gpu_worker.kernels.lora_shrink import GRAPH_SHRINK_MIN_SPLIT, ShrinkConfig, choose_shrink_config
+from services.gpu_worker.kernels.lora_shrink import (GRAPH_FEW_SHRINK_BLOCK_M, GRAPH_SHRINK_MIN_SPLIT, ShrinkConfig,
+                                                     choose_shrink_config)
 from services.gpu_worker.ops import reference
 from shared.model_config import MODULES
 
@@ -96,6 +97,22 @@ def test_a_graph_plans_its_input_split_for_the_segments_that_carry_tokens():
     assert choose_shrink_config(**{**common, "num_segments": 1}) == planned
 
 
+def test_the_few_adapter_graph_plan_sets_its_own_token_tiles():
+    # A batch-512 decode graph of the few-adapter plan (32 live segments shared out among 32 programs):
+    # graph_few_shrink_m sets its token tiles, and no other launch's.
+    common = dict(num_tokens=512, num_groups=2, fan_in=4096, width=4096, max_rank=64, device=torch.device("cpu"),
+                  segmented=True, num_segments=512)
+    few = dict(live_segments=32, segment_programs=32)
+    assert choose_shrink_config(**common, **few).block_m == GRAPH_FEW_SHRINK_BLOCK_M
+    with launch_shapes_set("graph_few_shrink_m=64"):
+        assert choose_shrink_config(**common, **few).block_m == 64
+        assert choose_shrink_config(**common).block_m == 16  # a graph planned for every segment
+        eager = choose_shrink_config(**{**common, "num_segments": 5, "max_seg_len": 110})
+        assert (eager.block_m, eager.chunk_tokens) == (64, 64)  # an eager step's long segments, as before
+        assert choose_shrink_config(**{**common, "num_segments": 100, "max_seg_len": 9}).block_m == 16
+    assert choose_shrink_config(**common, **few).block_m == GRAPH_FEW_SHRINK_BLOCK_M
+
+
 def test_a_prefill_of_few_long_prompts_reads_its_inputs_in_narrower_tiles():
     # An S2 admission step of 8687 tokens: over 5 adapters (1737 tokens a segment) 64-column input tiles,
     # over 100 (87 a segment) and in a decode step the widest the slot rows allow.
@@ -130,11 +147,12 @@ def test_live_segments_change_the_launch_and_not_the_result():
         assert_matches(got, ref, torch.float32)
 
 
-@pytest.mark.parametrize("n_split", [1, 3])
+@pytest.mark.parametrize("n_split,block_m", [(1, 16), (3, 16), (3, 64)])
 @pytest.mark.parametrize("form,with_live", [("grouped", True), ("grouped", False), ("segments", False)])
-def test_shrink_segments_shared_out_among_fewer_programs(form, with_live, n_split):
+def test_shrink_segments_shared_out_among_fewer_programs(form, with_live, n_split, block_m):
     # Two programs take every segment between them, stopping at the count on the device when there is one;
-    # base-only tokens still get their zeros.
+    # base-only tokens still get their zeros. 64-token tiles (graph_few_shrink_m) are mostly masked here.
     chunk = 16 if form == "segments" else 0
-    config = ShrinkConfig(block_r=16, block_k=16, n_split=n_split, chunk_tokens=chunk, segment_programs=2)
+    config = ShrinkConfig(block_r=16, block_k=16, n_split=n_split, block_m=block_m, chunk_tokens=chunk,
+                          segment_programs=2)
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=31, config=config, with_live=with_live)

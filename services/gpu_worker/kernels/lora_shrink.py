@@ -249,6 +249,13 @@ def _shrink_finalize_kernel(
 # 23.9 for gate,up and 51.9 to 39.9 for down; over 250 adapters it was within 2.5% either way.
 GRAPH_SHRINK_MIN_SPLIT = 4
 
+# Token rows a shrink tile holds in a decode graph of the few-adapter plan (segments shared out among a few
+# programs; kernel_shapes' graph_few_shrink_m). Such a step's segments are long (S-GQA at batch 512 over 5
+# adapters: ~100 tokens each), and each tile is a pass over the program's slice of adapter rows; at 64 rows
+# the four groups took 170 against 243 µs a layer on the H200 (docs/benchmarks.md, 2026-12-04 19:22). 16
+# until steps of up to 32 adapters with short segments are measured too.
+GRAPH_FEW_SHRINK_BLOCK_M = 16
+
 
 @dataclass(frozen=True)
 class ShrinkConfig:
@@ -300,6 +307,8 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
                 # and 61 against 74 for down; over 100 (87 a segment) o, gate,up and down lost 10-30%.
                 block_k = min(block_k, 64)
             n_units = num_segments * cdiv(max_seg_len, chunk) if num_segments else cdiv(num_tokens, chunk)
+        elif max_seg_len is None and segment_programs and live_segments is not None:
+            block_m = launch_shapes().graph_few_shrink_m or GRAPH_FEW_SHRINK_BLOCK_M
     else:
         n_units = num_tokens
     base = max(1, n_units * num_groups * r_tiles)
