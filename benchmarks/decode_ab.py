@@ -113,7 +113,8 @@ def main() -> int:
     set_launch_shapes(LaunchShapes())
     paired = [b - a for a, b in zip(times["A"], times["B"])]
     result = {"model": "tiny" if args.smoke else args.model, "batch": args.batch, "adapters": args.adapters,
-              "prompt_len": args.prompt_len, "longest_context": [longest, longest + decode_steps], "a": args.a, "b": args.b, "rounds": args.rounds, "steps": args.steps,
+              "prompt_len": args.prompt_len, "longest_context": [longest, longest + decode_steps], "a": args.a,
+              "b": args.b, "rounds": args.rounds, "steps": args.steps,
               "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
               "torch": torch.__version__, "step_ms": times,
               "median_ms": {k: statistics.median(v) for k, v in times.items()},
