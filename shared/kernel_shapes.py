@@ -20,8 +20,9 @@ Words, comma-separated:
                         (cuda_graph_few_adapters; default 16, at most 128): its segments average batch / 32
                         tokens or more, and a tile is one pass over the program's slice of adapter rows
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
-                        whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole); off: S-GQA's decode step took
-                        4.6% longer with it on the H200 (docs/benchmarks.md, 2026-12-04 19:22)
+                        whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
+                        off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
+                        2026-12-04 19:22)
   no_<word>             turns off a word that is on by default, as no_split_mixed
 
 heads_first and split_mixed are on because the H200 measured them faster (docs/benchmarks.md, 2026-12-04 13:11):
