@@ -42,7 +42,9 @@ from services.gpu_worker.kernels.lora_shrink import choose_shrink_config
 # tiles, "nN" N-column tiles, "rN" N rank rows a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles
 # walked by one program, "rw" the whole rank in one dot (with r64: every rank up to 64), the program's column
 # tiles its inner loop. Shrink: "skN" N-input tiles, "sxN" the inputs split N ways, "srN" N rank columns a dot,
-# "swN" N warps, "ssN" N pipeline stages, "smN" N-token tiles.
+# "swN" N warps, "ssN" N pipeline stages, "smN" N-token tiles. "scN" and "ecN" give shrink's and expand's programs
+# N tokens of a segment each (its chunks spread over the grid's second axis; with shared programs, each program
+# takes the same chunk of every segment it walks).
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
 # the inputs in other splits and orders, so bf16 results differ by rounding only.
 RESULT_TOLERANCE = 2e-2
@@ -62,7 +64,7 @@ SHAPE_PLANS = ("bound", "bound t1", "bound r16", "bound t4", "bound w2", "bound 
                "bound rw r64 n256 t2", "bound rw r64 t4 w8", "exact rw r64 t2", "exact rw r64 t4")
 EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog"}
 SHRINK_WORDS = {"sk": "block_k", "sx": "n_split", "sr": "block_r", "sw": "num_warps", "ss": "num_stages",
-                "sm": "block_m"}
+                "sm": "block_m", "sc": "chunk_tokens"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,8 @@ class Plan:
                 fields["expand"] = fields.get("expand", ()) + (("rank_whole", True),)
             elif word[:2] == "em" and word[2:].isdigit():  # expand's row tiles alone ("mN" sets both kernels')
                 fields["expand"] = fields.get("expand", ()) + (("block_m", int(word[2:])),)
+            elif word[:2] == "ec" and word[2:].isdigit():  # expand's tokens a program (a segment's chunks)
+                fields["expand"] = fields.get("expand", ()) + (("chunk_tokens", int(word[2:])),)
             elif word[:2] in SHRINK_WORDS and word[2:].isdigit():
                 fields["shrink"] = fields.get("shrink", ()) + ((SHRINK_WORDS[word[:2]], int(word[2:])),)
             elif word[:1] in EXPAND_WORDS and word[1:].isdigit():
@@ -253,8 +257,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
-        plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound n16 t2 w2", "bound sk16 sw2",
-                 "bound rw r64 n16 t2", "exact live 16", "exact")
+        plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
+                 "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16", "exact")
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
         plans = tuple(args.plan) or (PLANS if args.plans == "graph" else SHAPE_PLANS)
