@@ -175,6 +175,11 @@ def test_a_graphs_launch_walks_several_column_tiles_a_program():
     assert choose_expand_config(**common, live_segments=32, segment_programs=32).block_r == 32
     assert choose_expand_config(**common, max_seg_len=3).tiles_per_prog == 1
     assert choose_expand_config(**common, live_segments=32, segment_programs=32).tiles_per_prog == 1
+    # A few-adapter graph's programs take their segments whole unless graph_few_chunk gives them chunks.
+    assert choose_expand_config(**common, live_segments=32, segment_programs=32).chunk_tokens == 0
+    with launch_shapes_set("graph_few_chunk=64"):
+        assert choose_expand_config(**common, live_segments=32, segment_programs=32).chunk_tokens == 64
+        assert choose_expand_config(**common).chunk_tokens == 0
     assert choose_expand_config(**{**common, "out_dims": (128, 128, 128), "width": 128}).tiles_per_prog == 1
     # Smaller graphs, where fewer segments are empty, keep one tile a program.
     assert choose_expand_config(**{**common, "num_tokens": 128, "num_segments": 128}).tiles_per_prog == 1

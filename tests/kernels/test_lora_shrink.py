@@ -111,6 +111,11 @@ def test_the_few_adapter_graph_plan_sets_its_own_token_tiles():
         assert (eager.block_m, eager.chunk_tokens) == (64, 64)  # an eager step's long segments, as before
         assert choose_shrink_config(**{**common, "num_segments": 100, "max_seg_len": 9}).block_m == 16
     assert choose_shrink_config(**common, **few).block_m == GRAPH_FEW_SHRINK_BLOCK_M
+    # graph_few_chunk: each program takes 64-token chunks of its segments, in those graphs alone.
+    assert choose_shrink_config(**common, **few).chunk_tokens == 0
+    with launch_shapes_set("graph_few_chunk=64"):
+        assert choose_shrink_config(**common, **few).chunk_tokens == 64
+        assert choose_shrink_config(**common).chunk_tokens == 0
 
 
 def test_a_prefill_of_few_long_prompts_reads_its_inputs_in_narrower_tiles():

@@ -265,6 +265,10 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
                 # A program per 64-token chunk, so a prefill of few long segments still has thousands of
                 # programs: counting segments narrowed 5 adapters' tiles to 32 columns.
                 units = max(units, cdiv(num_tokens, chunk))
+        elif max_seg_len is None and segment_programs and live_segments is not None:
+            # A few-adapter graph's programs walk their segments whole unless kernel_shapes' graph_few_chunk
+            # gives each program one chunk of them (a long segment then spreads over as many programs).
+            chunk = launch_shapes().graph_few_chunk
     block_n = pow2_divisor(width, 128)
     if block_n < 16:
         block_n = 64

@@ -308,7 +308,9 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
                 block_k = min(block_k, 64)
             n_units = num_segments * cdiv(max_seg_len, chunk) if num_segments else cdiv(num_tokens, chunk)
         elif max_seg_len is None and segment_programs and live_segments is not None:
-            block_m = launch_shapes().graph_few_shrink_m or GRAPH_FEW_SHRINK_BLOCK_M
+            shapes = launch_shapes()
+            block_m = shapes.graph_few_shrink_m or GRAPH_FEW_SHRINK_BLOCK_M
+            chunk = shapes.graph_few_chunk  # 0: a program walks each of its segments whole
     else:
         n_units = num_tokens
     base = max(1, n_units * num_groups * r_tiles)
