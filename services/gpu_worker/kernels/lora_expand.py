@@ -22,8 +22,8 @@ from .compiled_launch import CompiledLaunch
 from .launch_shapes import launch_shapes
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
-    check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
-    segment_chunk, segment_form,
+    check_pool_buffer, check_segments, check_tables, few_adapter_graph, load_adapter_tile, module_slot,
+    planned_segments, segment_chunk, segment_form,
 )
 
 
@@ -265,7 +265,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
                 # A program per 64-token chunk, so a prefill of few long segments still has thousands of
                 # programs: counting segments narrowed 5 adapters' tiles to 32 columns.
                 units = max(units, cdiv(num_tokens, chunk))
-        elif max_seg_len is None and segment_programs and live_segments is not None:
+        elif few_adapter_graph(max_seg_len, live_segments, segment_programs):
             # A few-adapter graph's programs walk their segments whole unless kernel_shapes' graph_few_chunk
             # gives each program one chunk of them (a long segment then spreads over as many programs).
             chunk = launch_shapes().graph_few_chunk

@@ -83,6 +83,13 @@ def planned_segments(segments: int, live_segments: int | None, segment_programs:
     return min(segments, segment_programs) if segment_programs > 0 else segments
 
 
+def few_adapter_graph(max_seg_len: int | None, live_segments: int | None, segment_programs: int) -> bool:
+    """Whether a segment-form launch is a decode graph's under the few-adapter plan (cuda_graphs.py): its
+    segment lengths unknown to the host, at most `live_segments` of them busy, shared out among
+    `segment_programs` programs."""
+    return max_seg_len is None and live_segments is not None and segment_programs > 0
+
+
 def segment_programs_of(num_segments: int, segment_programs: int, num_live,
                         device: torch.device) -> tuple[int, bool]:
     """Programs along the segment axis of a segment-form launch, and whether they share the segments out

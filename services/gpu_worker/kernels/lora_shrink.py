@@ -25,8 +25,8 @@ from .compiled_launch import CompiledLaunch
 from .launch_shapes import launch_shapes
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
-    check_pool_buffer, check_segments, check_tables, load_adapter_tile, module_slot, planned_segments,
-    segment_chunk, segment_form,
+    check_pool_buffer, check_segments, check_tables, few_adapter_graph, load_adapter_tile, module_slot,
+    planned_segments, segment_chunk, segment_form,
 )
 
 
@@ -307,7 +307,7 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
                 # and 61 against 74 for down; over 100 (87 a segment) o, gate,up and down lost 10-30%.
                 block_k = min(block_k, 64)
             n_units = num_segments * cdiv(max_seg_len, chunk) if num_segments else cdiv(num_tokens, chunk)
-        elif max_seg_len is None and segment_programs and live_segments is not None:
+        elif few_adapter_graph(max_seg_len, live_segments, segment_programs):
             shapes = launch_shapes()
             block_m = shapes.graph_few_shrink_m or GRAPH_FEW_SHRINK_BLOCK_M
             chunk = shapes.graph_few_chunk  # 0: a program walks each of its segments whole
