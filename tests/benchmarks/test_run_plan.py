@@ -1,0 +1,118 @@
+"""A benchmark plan runs its steps in order under one deadline, caps each, skips what no longer fits, and
+records every outcome (real processes, real time)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import REPO, child_env
+from benchmarks.run_plan import load_plan
+
+
+def run_plan(tmp_path: Path, plan: str, deadline_s: float, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+    path = tmp_path / "plan.yaml"
+    path.write_text(plan)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run_plan", str(path), "--out", str(out),
+                           "--deadline-s", str(deadline_s), *extra], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    return proc, out
+
+
+def outcomes(out: Path) -> dict[str, dict]:
+    return {s["name"]: s for s in json.loads((out / "plan.json").read_text())["steps"]}
+
+
+def test_steps_run_in_order_with_placeholders_and_a_failure_does_not_stop_the_rest(tmp_path):
+    plan = """
+steps:
+  - name: first
+    run: echo "started {since}" && echo one > {out}/a.txt
+  - name: broken
+    run: exit 3
+  - name: third
+    cap_s: 30
+    run: >-
+      cat {out}/a.txt && echo "budget {budget}" &&
+      echo '{"braces": 1}' | python3 -c 'import json,sys; print(json.load(sys.stdin))'
+"""
+    proc, out = run_plan(tmp_path, plan, 200, "--since", "2026-12-04T21:30")
+    assert proc.returncode == 1, proc.stderr  # one step failed
+    got = outcomes(out)
+    assert [got[n]["status"] for n in ("first", "broken", "third")] == ["done", "failed", "done"]
+    assert got["broken"]["rc"] == 3 and got["third"]["rc"] == 0
+    assert "started 2026-12-04T21:30" in (out / "first.log").read_text()
+    third = (out / "third.log").read_text()
+    # The third step ran after the first (it read its file); its budget is its 30 s cap less the margin.
+    assert "one\n" in third and "budget 10\n" in third and "{'braces': 1}" in third
+    assert "[2/3] broken: failed, rc 3" in proc.stderr and "[3/3] third: done, rc 0" in proc.stderr
+
+
+def test_a_step_past_its_cap_is_cut_off_with_its_children_and_the_next_still_runs(tmp_path):
+    plan = """
+steps:
+  - name: slow
+    cap_s: 2
+    run: (sleep 60; touch {out}/child-outlived) & echo $! > {out}/child.pid; sleep 60
+  - name: after
+    run: echo fine
+"""
+    proc, out = run_plan(tmp_path, plan, 200)
+    got = outcomes(out)
+    assert got["slow"]["status"] == "cut off" and got["slow"]["rc"] is None
+    assert 2 <= got["slow"]["seconds"] < 20
+    assert got["after"]["status"] == "done"
+    pid = int((out / "child.pid").read_text())
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert proc.returncode == 1
+
+
+def test_steps_that_no_longer_fit_the_deadline_are_skipped_and_said_so(tmp_path):
+    plan = """
+steps:
+  - name: quick
+    run: echo ok
+  - name: served
+    min_s: 500
+    run: echo never > {out}/served.txt
+"""
+    proc, out = run_plan(tmp_path, plan, 100)
+    got = outcomes(out)
+    assert got["quick"]["status"] == "done"
+    assert got["served"]["status"] == "skipped" and "the step needs 500" in got["served"]["why"]
+    assert not (out / "served.txt").exists() and not (out / "served.log").exists()
+    assert "served: skipped" in proc.stderr
+
+
+@pytest.mark.parametrize("plan, message", [
+    ("steps: []", "non-empty list under 'steps'"),
+    ("steps:\n  - name: a\n", "steps[0].run must be a command"),
+    ("steps:\n  - name: a b\n    run: x\n", "steps[0].name must be letters"),
+    ("steps:\n  - name: a\n    run: x\n  - name: a\n    run: y\n", "steps[1].name 'a' is used twice"),
+    ("steps:\n  - name: a\n    run: x\n    cap_s: -1\n", "steps[0].cap_s must be a positive"),
+    ("steps:\n  - name: a\n    run: x\n    timeout: 3\n", "unknown field(s) ['timeout']"),
+])
+def test_a_malformed_plan_is_refused_naming_the_field(tmp_path, plan, message):
+    path = tmp_path / "plan.yaml"
+    path.write_text(plan)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        load_plan(path)
+
+
+def test_a_plan_that_is_not_yaml_fails_before_any_step_runs(tmp_path):
+    proc, out = run_plan(tmp_path, "steps:\n  - name: a\n    run: echo {\"x\": 1}\n", 100)
+    assert proc.returncode == 2 and "plan.yaml" in proc.stderr and not out.exists()
+
+
+def test_the_shipped_plans_parse_and_name_scripts_that_exist():
+    for path in sorted((REPO / "benchmarks" / "plans").glob("*.yaml")):
+        steps = load_plan(path)
+        assert steps, path
+        for step in steps:
+            for word in step.run.split():
+                if word.startswith(("benchmarks/", "bench/sweeps/", "tests/")):
+                    assert (REPO / word).exists(), f"{path.name}: {step.name} names {word}"
