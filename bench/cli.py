@@ -146,9 +146,11 @@ def _command(argv: list[str]) -> str:
 
 
 def cmd_sweep(args, argv) -> int:
-    from bench.driver import MORE_PIECES, Driver, SweepSpec, done_keys, expand, groups, point_key, selected, shard_of
+    from bench.driver import (MORE_PIECES, Driver, SweepSpec, check_only, done_keys, expand, groups, point_key,
+                              selected, shard_of)
 
     spec = SweepSpec.load(args.spec)
+    check_only(expand(spec), tuple(args.only))
     results = Path(args.out_dir) / f"{spec.name}.jsonl"
     if args.since:
         try:

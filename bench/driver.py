@@ -248,6 +248,16 @@ def selected(points: list, only: tuple[str, ...] = ()) -> list:
     return [p for p in points if not only or any(text in point_key(p) for text in only)]
 
 
+def check_only(points: list, only: tuple[str, ...]) -> None:
+    """Raise naming each `--only` text that no point of the sweep matches: a typo would otherwise run nothing
+    and report the sweep complete, and a GPU booking would end with none of the points it was for."""
+    keys = [point_key(p) for p in points]
+    unmatched = [text for text in only if not any(text in key for key in keys)]
+    if unmatched:
+        raise ValueError(f"--only {', '.join(repr(t) for t in unmatched)} matches no point of the sweep "
+                         f"(keys look like {keys[0]})" if keys else "the sweep has no points")
+
+
 def shard_of(text: str) -> tuple[int, int]:
     """`I/N` -> (I, N): this driver takes every N-th point still to run, starting at the I-th."""
     try:

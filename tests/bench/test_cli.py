@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from bench import REPO
 from bench.cli import main
 from shared.cli import COMMANDS
 
@@ -61,6 +62,8 @@ def test_plot_writes_pngs(capsys, tmp_path):
     (["roofline", "--setting", "S3", "--device", "cpu"], "unknown setting 'S3'"),
     (["run", "--setting", "tiny", "--rate", "1", "--system", "vllm"], "unknown system 'vllm'"),
     (["sweep", "no-such-spec.yaml"], "no-such-spec.yaml"),
+    (["sweep", str(REPO / "bench" / "sweeps" / "s2-rate.yaml"), "--only", "/R=28/", "--only", "/R=99/", "--dry-run"],
+     "--only '/R=99/' matches no point of the sweep (keys look like S2/loraplex/n=200/alpha=1/R=4/"),
 ])
 def test_bad_input_is_refused_by_name(capsys, tmp_path, argv, message):
     code, _, err = run(capsys, *argv)

@@ -3,6 +3,7 @@ records every outcome (real processes, real time)."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import REPO, child_env
+from bench.driver import SweepSpec, check_only, expand
 from benchmarks.run_plan import load_plan
 
 
@@ -116,3 +118,17 @@ def test_the_shipped_plans_parse_and_name_scripts_that_exist():
             for word in step.run.split():
                 if word.startswith(("benchmarks/", "bench/sweeps/", "tests/")):
                     assert (REPO / word).exists(), f"{path.name}: {step.name} names {word}"
+
+
+def test_the_shipped_plans_sweeps_select_points_of_their_specs():
+    sweeps = 0
+    for path in sorted((REPO / "benchmarks" / "plans").glob("*.yaml")):
+        for step in load_plan(path):
+            words = shlex.split(step.run.replace("{since}", "2026-12-04T00:00").replace("{budget}", "100"))
+            for i, word in enumerate(words[:-2]):
+                if word == "bench" and words[i + 1] == "sweep":
+                    spec = SweepSpec.load(REPO / words[i + 2])
+                    only = tuple(words[j + 1] for j, w in enumerate(words) if w == "--only")
+                    check_only(expand(spec), only)  # raises naming a filter that selects nothing
+                    sweeps += 1
+    assert sweeps >= 4
