@@ -12,6 +12,7 @@ import pytest
 
 from bench import REPO, child_env
 from bench.driver import SweepSpec, check_only, expand
+from bench.point import server_code
 from benchmarks.run_plan import load_plan
 
 
@@ -45,6 +46,7 @@ steps:
     proc, out = run_plan(tmp_path, plan, 200, "--since", "2026-12-04T21:30")
     assert proc.returncode == 1, proc.stderr  # one step failed
     got = outcomes(out)
+    assert json.loads((out / "plan.json").read_text())["server_code"] == server_code()
     assert [got[n]["status"] for n in ("first", "broken", "third")] == ["done", "failed", "done"]
     assert got["broken"]["rc"] == 3 and got["third"]["rc"] == 0
     assert "started 2026-12-04T21:30" in (out / "first.log").read_text()
