@@ -254,8 +254,8 @@ def check_only(points: list, only: tuple[str, ...]) -> None:
     keys = [point_key(p) for p in points]
     unmatched = [text for text in only if not any(text in key for key in keys)]
     if unmatched:
-        raise ValueError(f"--only {', '.join(repr(t) for t in unmatched)} matches no point of the sweep "
-                         f"(keys look like {keys[0]})" if keys else "the sweep has no points")
+        example = f" (keys look like {keys[0]})" if keys else ""
+        raise ValueError(f"--only {', '.join(repr(t) for t in unmatched)} matches no point of the sweep{example}")
 
 
 def shard_of(text: str) -> tuple[int, int]:

@@ -17,8 +17,8 @@ A plan (YAML):
 A step's command may name {out} (the results folder), {since} (the plan's start, an ISO minute in UTC, for
 `loraplex bench sweep --since`) and {budget} (seconds the step may run: its cap, or what is left, less a
 margin). Progress goes to stderr as each step starts and ends; OUT/plan.json records each step's exit code,
-start and seconds, or why it was skipped, and the server source's fingerprint (bench/point.py's server_code,
-as the served points' lines carry it).
+start and seconds, or why it was skipped, with the versions the served points' lines carry (bench/point.py:
+torch, triton, NVIDIA driver, the server source's fingerprint).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.point import server_code
+from bench.point import versions
 
 # A step gets at most what is left less this, so the plan's last writes land before the deadline.
 MARGIN_S = 20
@@ -137,7 +137,7 @@ def main() -> int:
     deadline = time.monotonic() + args.deadline_s
     since = args.since or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M")
     outcomes: list[Outcome] = []
-    code = server_code()
+    host = versions()  # torch, triton, driver, and the server source's fingerprint
     for i, step in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {step.name} ...", file=sys.stderr, flush=True)
         outcome = run_step(step, out, since, deadline - time.monotonic())
@@ -147,7 +147,7 @@ def main() -> int:
               + (f" in {outcome.seconds:.0f} s" if outcome.started else "")
               + (f" ({outcome.why})" if outcome.why else ""), file=sys.stderr, flush=True)
         # server_code ties every result of the session to the source it ran (a GPU host's copy has no history).
-        (out / "plan.json").write_text(json.dumps({"plan": str(args.plan), "since": since, "server_code": code,
+        (out / "plan.json").write_text(json.dumps({"plan": str(args.plan), "since": since, **host,
                                                    "steps": [asdict(o) for o in outcomes]}, indent=1))
     return 0 if all(o.status == "done" for o in outcomes) else 1
 
