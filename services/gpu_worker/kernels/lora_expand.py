@@ -241,6 +241,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     segment_programs programs has no empty ones, and keeps one tile a program; so do graphs of batches under
     GRAPH_TILES_MIN_TOKENS, where fewer of the segments are empty)."""
     target = 8 * num_sms(device)
+    shapes = launch_shapes()
 
     def n_tiles_of(bn: int) -> int:
         return cdiv(max(out_dims), bn)
@@ -268,7 +269,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         elif few_adapter_graph(max_seg_len, live_segments, segment_programs):
             # A few-adapter graph's programs walk their segments whole unless kernel_shapes' graph_few_chunk
             # gives each program one chunk of them (a long segment then spreads over as many programs).
-            chunk = launch_shapes().graph_few_chunk
+            chunk = shapes.graph_few_chunk
     block_n = pow2_divisor(width, 128)
     if block_n < 16:
         block_n = 64
@@ -281,7 +282,6 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         # a chunk at most `chunk` tokens): two tiles a program while that still fills the GPU.
         prefill_wide = (long_segments and not segment_programs
                         and units * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
-        shapes = launch_shapes()
         graph_wide = graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS
         if graph_wide:
             tiles = shapes.graph_expand_tiles or (4 if num_groups * n_tiles_of(block_n) >= GRAPH_WIDE_TILES else 2)
@@ -304,7 +304,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
                             chunk_tokens=chunk, segment_programs=segment_programs,
                             cols_first=shapes.expand_cols_first, rank_whole=whole)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n,
-                        cols_first=launch_shapes().expand_cols_first)
+                        cols_first=shapes.expand_cols_first)
 
 
 def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,

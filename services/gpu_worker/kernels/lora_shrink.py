@@ -292,6 +292,7 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     block_r = min(max(16, next_pow2(max_rank)), 32)
     r_tiles = cdiv(max(max_rank, 1), block_r)
     target = 8 * num_sms(device)
+    shapes = launch_shapes()
     block_m, chunk = 16, 0
     if segmented:
         n_units = planned_segments(num_segments if num_segments is not None else num_tokens, live_segments,
@@ -308,7 +309,6 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
                 block_k = min(block_k, 64)
             n_units = num_segments * cdiv(max_seg_len, chunk) if num_segments else cdiv(num_tokens, chunk)
         elif few_adapter_graph(max_seg_len, live_segments, segment_programs):
-            shapes = launch_shapes()
             block_m = shapes.graph_few_shrink_m or GRAPH_FEW_SHRINK_BLOCK_M
             chunk = shapes.graph_few_chunk  # 0: a program walks each of its segments whole
     else:
@@ -319,7 +319,7 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     # A graph's launch planned as if every segment held tokens (see GRAPH_SHRINK_MIN_SPLIT).
     if (segmented and max_seg_len is None and not segment_programs
             and planned_segments(segments, live_segments, 0) == segments):
-        least = launch_shapes().graph_shrink_split or GRAPH_SHRINK_MIN_SPLIT
+        least = shapes.graph_shrink_split or GRAPH_SHRINK_MIN_SPLIT
     n_split = max(1, min(max(cdiv(target, base), least), cdiv(fan_in, block_k), 64))
     # The segment form's loads feed tl.dot and are software-pipelined; three stages measured faster.
     return ShrinkConfig(block_r=block_r, block_k=block_k, n_split=n_split, block_m=block_m, chunk_tokens=chunk,
