@@ -146,7 +146,9 @@ def by_label(samples: dict, name: str, label: str, **match) -> dict[str, float]:
 STEP_COUNTERS = (("steps", "loraplex_worker_steps_total"), ("seconds", "loraplex_worker_step_seconds_total"),
                  ("tokens", "loraplex_worker_step_tokens_total"),
                  ("launch", "loraplex_worker_step_launch_seconds_total"),
-                 ("ahead", "loraplex_worker_steps_ahead_total"))
+                 ("ahead", "loraplex_worker_steps_ahead_total"),
+                 ("adapters", "loraplex_worker_step_adapters_total"),
+                 ("adapter_bytes", "loraplex_worker_step_adapter_bytes_total"))
 
 
 class _CounterDelta:
@@ -365,8 +367,18 @@ class ServerSampler:
                          # Of the steps, those launched ahead of the last one's tokens (None: not reported).
                          "ahead": (round(self.step_counters["ahead", kind].total)
                                    if self.step_counters["ahead", kind].last else None),
+                         # A mean step's distinct adapters read and the MB of their rows (None: not reported).
+                         **self._adapters_per_step(kind, steps),
                          "share": round(seconds[kind] / busy, 4) if busy else None}
         return out
+
+
+    def _adapters_per_step(self, kind: str, steps: int) -> dict:
+        # `last` is empty where no worker reported the counter (a server from before it); zero is a reading.
+        reported = bool(self.step_counters["adapters", kind].last)
+        count, nbytes = self.step_counters["adapters", kind].total, self.step_counters["adapter_bytes", kind].total
+        return {"adapters_mean": round(count / steps, 2) if steps and reported else None,
+                "adapter_mb_mean": round(nbytes / steps / 1e6, 3) if steps and reported else None}
 
 
 def _int(v: float | None) -> int | None:

@@ -4,6 +4,8 @@ the share of step time each kind took, and the mean step of each kind in ms, hat
 took to schedule and launch it where the line records that (`launch_ms`): a step launched in nearly all of
 its time kept the GPU waiting on the host. Two points of one setting
 side by side (loraplex at n = 100 and base-only, say) show whether LoRA's cost is in decode or in prefill.
+Where lines record them (`adapter_mb_mean`), a third panel gives the GB of adapter rows a mean step of each
+kind read: what grows with the number of adapters served, beside the weights and KV every step reads.
 """
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     mixed = len({line.get("policy") for line in rows}) > 1
     labels = [point_label(line, show_policy=mixed) for line in rows]
     fig_height = 2.0 + 0.45 * len(rows)  # inches: title, axis labels and legend, then a band per point
-    fig, (share_ax, mean_ax) = plt.subplots(1, 2, figsize=(13, fig_height), squeeze=True)
+    with_rows = any(s.get("adapter_mb_mean") is not None for line in rows for s in line["worker_steps"].values())
+    fig, axes = plt.subplots(1, 2 + with_rows, figsize=(13 + 5 * with_rows, fig_height), squeeze=True)
+    share_ax, mean_ax = axes[:2]
     drawn: dict[str, dict] = {"share": {}, "mean_ms": {}, "launch_ms": {}}
     left = [0.0] * len(rows)
     bar = 0.8 / len(KINDS)  # a point's band holds one bar per kind
@@ -58,12 +62,19 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
                          color="none", edgecolor="black", hatch="//", linewidth=0.5,
                          label="launched by the host" if not drawn["launch_ms"] else None)
             drawn["launch_ms"][kind] = [(labels[y], ms) for y, ms in launches]
+        if with_rows:
+            gb = [(line["worker_steps"][kind].get("adapter_mb_mean") or 0.0) / 1e3 for line in rows]
+            axes[2].barh([y + (i - 1) * bar for y in range(len(rows))], gb, height=bar, color=f"C{i}")
+            drawn.setdefault("adapter_gb", {})[kind] = list(zip(labels, gb))
     share_ax.set_xlim(0, 1)
     share_ax.set_xlabel("share of the worker's step time")
     mean_ax.set_yticks(range(len(rows)), labels)
     mean_ax.set_xlabel("mean step (ms)")
+    if with_rows:
+        axes[2].set_yticks(range(len(rows)), labels)
+        axes[2].set_xlabel("adapter rows a mean step read (GB)")
     legend_ax = mean_ax if drawn["launch_ms"] else share_ax
-    save_rows_figure(fig, (share_ax, mean_ax), legend_ax, len(KINDS) + bool(drawn["launch_ms"]), title, fig_height,
+    save_rows_figure(fig, tuple(axes), legend_ax, len(KINDS) + bool(drawn["launch_ms"]), title, fig_height,
                      path)
     return drawn
 

@@ -117,7 +117,8 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
 
 def where_the_time_goes(a: dict, b: dict) -> str:
     """Two points' worker steps side by side (bench/metrics.py `worker_steps`): each kind's mean step and
-    share of step time, first point then second, for the kinds either ran."""
+    share of step time, first point then second, for the kinds either ran, with the host's launch and the
+    adapters' rows a mean step read where the lines carry them."""
     def ms(s: dict) -> str:
         return f"{s['mean_ms']:.1f}" if s.get("mean_ms") is not None else "—"
 
@@ -132,6 +133,10 @@ def where_the_time_goes(a: dict, b: dict) -> str:
         part = f"{name} steps {ms(x)} vs {ms(y)} ms ({share(x)} vs {share(y)} of step time"
         if x.get("launch_ms") is not None and y.get("launch_ms") is not None:
             part += f"; launched by the host in {x['launch_ms']:.1f} vs {y['launch_ms']:.1f} ms"
+        if x.get("adapters_mean") is not None and y.get("adapters_mean") is not None:
+            # The part of a step that grows with the adapters served: their rows, read beside weights and KV.
+            part += (f"; rows of {x['adapters_mean']:.0f} vs {y['adapters_mean']:.0f} adapters read, "
+                     f"{x['adapter_mb_mean'] / 1e3:.2f} vs {y['adapter_mb_mean'] / 1e3:.2f} GB a step")
         parts.append(part + ")")
     return ", ".join(parts)
 

@@ -188,6 +188,9 @@ class WorkerStatus(Message):
     step_tokens: dict[str, int] = field(default_factory=dict)
     step_launch_seconds: dict[str, float] = field(default_factory=dict)
     step_ahead_counts: dict[str, int] = field(default_factory=dict)  # of the steps, those launched ahead
+    # Distinct adapters whose rows the steps' LoRA kernels read, and the bytes of those rows, summed over steps.
+    step_adapters: dict[str, int] = field(default_factory=dict)
+    step_adapter_bytes: dict[str, int] = field(default_factory=dict)
     # Steps not launched ahead of the last one's tokens (overlap_steps), by why (step_stats.HELD_BACK_REASONS).
     steps_held_back: dict[str, int] = field(default_factory=dict)
 

@@ -46,6 +46,8 @@ class SchedulerCollector:
         step_tokens = CounterMetricFamily("loraplex_worker_step_tokens", "Tokens computed by engine steps (prompt and decode), by kind", labels=["worker", "kind"])
         step_ahead = CounterMetricFamily("loraplex_worker_steps_ahead", "Engine steps launched before the last step's tokens reached the host (overlap_steps), by kind", labels=["worker", "kind"])
         held_back = CounterMetricFamily("loraplex_worker_steps_held_back", "Engine steps not launched ahead of the last step's tokens (overlap_steps), by why: prompt, batch, round, slots", labels=["worker", "reason"])
+        step_adapters = CounterMetricFamily("loraplex_worker_step_adapters", "Distinct adapters whose rows engine steps' LoRA kernels read, summed over steps, by kind (over the step count: a mean step's)", labels=["worker", "kind"])
+        step_adapter_bytes = CounterMetricFamily("loraplex_worker_step_adapter_bytes", "Bytes of adapter rows engine steps' LoRA kernels read, summed over steps, by kind", labels=["worker", "kind"])
         step_launch = CounterMetricFamily("loraplex_worker_step_launch_seconds", "Seconds of engine steps from their scheduling until their last kernel was launched (the host's part), by kind", labels=["worker", "kind"])
         for worker_id, status in sorted(self.view.workers.items()):
             running.add_metric([worker_id], status.running)
@@ -59,13 +61,14 @@ class SchedulerCollector:
             preemptions.add_metric([worker_id], status.preemptions)
             for family, values in ((steps, status.step_counts), (step_seconds, status.step_seconds),
                                    (step_tokens, status.step_tokens), (step_launch, status.step_launch_seconds),
-                                   (step_ahead, status.step_ahead_counts)):
+                                   (step_ahead, status.step_ahead_counts), (step_adapters, status.step_adapters),
+                                   (step_adapter_bytes, status.step_adapter_bytes)):
                 for kind, value in sorted(values.items()):
                     family.add_metric([worker_id, kind], value)
             for reason, value in sorted(status.steps_held_back.items()):
                 held_back.add_metric([worker_id, reason], value)
         yield from (running, waiting, slots, loads, load_bytes, preemptions, steps, step_seconds, step_tokens,
-                    step_launch, step_ahead, held_back)
+                    step_launch, step_ahead, step_adapters, step_adapter_bytes, held_back)
         tiers = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (gpu pool, host arena, disk)", labels=["tier"])
         for tier, n in self.adapter_tiers().items():
             tiers.add_metric([tier], n)

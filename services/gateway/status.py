@@ -234,7 +234,9 @@ def _workers(state: GatewayState) -> list[dict]:
                     "steps": {kind: {"steps": n, "seconds": round(s.step_seconds.get(kind, 0.0), 3),
                                      "launch_seconds": round(s.step_launch_seconds.get(kind, 0.0), 3),
                                      "ahead": s.step_ahead_counts.get(kind, 0),
-                                     "tokens": s.step_tokens.get(kind, 0)}
+                                     "tokens": s.step_tokens.get(kind, 0),
+                                     "adapters": s.step_adapters.get(kind, 0),
+                                     "adapter_bytes": s.step_adapter_bytes.get(kind, 0)}
                               for kind, n in sorted(s.step_counts.items())},
                     # Steps not launched ahead of the last one's tokens, by why (Engine.held_back).
                     "steps_held_back": dict(sorted(s.steps_held_back.items()))})

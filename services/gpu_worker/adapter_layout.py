@@ -60,6 +60,12 @@ def layout_offsets(ranks: tuple[int, ...], cfg: ModelConfig, slot_width: int) ->
     return tuple(a_off), tuple(b_off), max(a_next, b_next, 1)
 
 
+def lora_read_bytes(ranks: tuple[int, ...], cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes of A and Bᵀ a step's shrink and expand read for one adapter over all layers: its rank's rows at
+    their true lengths, not the slot chunks they are packed in (the pool's padding is never read)."""
+    return cfg.num_layers * itemsize * sum(r * sum(cfg.module_dims(m)) for m, r in zip(MODULES, ranks))
+
+
 def _exact_source(t: torch.Tensor) -> torch.Tensor:
     """float64 goes through fp32 first, as it always has; narrower dtypes convert exactly either way."""
     return t.float() if t.dtype == torch.float64 else t

@@ -222,6 +222,8 @@ class Engine:
         if samplers:
             flight.greedy = GreedyTokens(logits)
         flight.launch_done_at = time.perf_counter()
+        # Counted once the kernels are queued: the GPU is busy meanwhile.
+        flight.adapters, flight.adapter_bytes = self.adapters.rows_read({seq.req.adapter for seq, _ in scheduled})
         self._in_flight = flight
         return flight
 
@@ -339,7 +341,7 @@ class Engine:
                 outputs.append(out)
         if flight.kind:  # its tokens are on the host (or it sampled nothing): the step is done
             self.step_stats.record(flight.kind, flight.launched_at, flight.num_tokens, launched=flight.launch_done_at,
-                                   ahead=flight.ahead)
+                                   ahead=flight.ahead, adapters=flight.adapters, adapter_bytes=flight.adapter_bytes)
         for seq in flight.dropped:
             self._release_slots(seq)
         self._ahead = ahead

@@ -80,6 +80,8 @@ class StepInFlight:
     kind: str = ""  # step_stats.STEP_KINDS, once launched ("" = nothing was scheduled)
     launched_at: float = 0.0  # time.perf_counter() when its scheduling began (in the step before, if launched ahead)
     num_tokens: int = 0  # tokens the step computes (prompt and decode)
+    adapters: int = 0  # distinct adapters whose rows its LoRA kernels read
+    adapter_bytes: int = 0  # the bytes of those rows
     launch_done_at: float = 0.0  # time.perf_counter() once its last kernel was launched
     ahead: bool = False  # launched before the step before it had ended (lookahead.py)
     # Requests that ended (stop token) in the step before this one, which was launched before that was

@@ -15,7 +15,7 @@ import torch
 
 from shared.model_config import MODULES, ModelConfig
 
-from .adapter_layout import PackedAdapter, layout_offsets
+from .adapter_layout import PackedAdapter, layout_offsets, lora_read_bytes
 from .ops.meta import LoraTables
 from .pool import UnifiedPool
 
@@ -26,6 +26,7 @@ class Resident:
     resident_id: int
     slots: list[int]
     ranks: tuple[int, ...]
+    read_bytes: int = 0  # rows a step's LoRA kernels read for it (adapter_layout.lora_read_bytes)
     refcount: int = 0
 
 
@@ -44,6 +45,7 @@ class ResidentAdapters:
                  loader: Callable[[str], PackedAdapter],
                  copy_rows: Callable[[torch.Tensor, PackedAdapter], object] | None = None):
         self.pool = pool
+        self.cfg = cfg
         self.loader = loader
         # Default copy is a synchronous scatter; the CUDA path passes one that stages on a side stream.
         # Copies the rows into pool slots; returns None when done at once, else a handle whose query() says
@@ -107,6 +109,12 @@ class ResidentAdapters:
     @property
     def unused_slots(self) -> int:
         return self._unused_slots
+
+    def rows_read(self, names: set[str]) -> tuple[int, int]:
+        """How many of these adapters a step's LoRA kernels read rows of, and how many bytes: the resident
+        ones (a merged adapter, or the base model's "", has no rows in the pool)."""
+        found = [self._by_name[n] for n in names if n in self._by_name]
+        return len(found), sum(r.read_bytes for r in found)
 
     def ready(self, name: str) -> bool:
         """Whether admitting a request of `name` now would not wait on the loader (resident, staged, or the
@@ -176,7 +184,8 @@ class ResidentAdapters:
             if done is not None:
                 self._copying[name] = done
             self._write_tables(rid, slots, packed)
-            res = Resident(name, rid, slots, packed.ranks)
+            res = Resident(name, rid, slots, packed.ranks,
+                           lora_read_bytes(packed.ranks, self.cfg, packed.rows.element_size()))
             self._by_name[name] = res
             self._slots_in_use += need
             self.loads += 1

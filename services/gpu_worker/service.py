@@ -215,6 +215,7 @@ class WorkerService:
             status.step_counts, status.step_seconds, status.step_tokens = (dict(stats.steps), dict(stats.seconds),
                                                                           dict(stats.tokens))
             status.step_launch_seconds, status.step_ahead_counts = dict(stats.launch), dict(stats.ahead)
+            status.step_adapters, status.step_adapter_bytes = dict(stats.adapters), dict(stats.adapter_bytes)
         status.steps_held_back = dict(cap.get("held_back", {}))
         self._send(status)
         self.finished_ids = []

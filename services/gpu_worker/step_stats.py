@@ -14,6 +14,9 @@ kernel launches, as far as they ran after the step before had ended (launched ah
 step did not hide); a step whose launch takes nearly all of its time kept the GPU waiting on the host.
 `ahead` counts the steps launched before the last one's tokens reached the host: an admission step not among
 them was scheduled only once the step before had ended, its whole launch in the GPU's time.
+`adapters` and `adapter_bytes` sum, over the steps, the distinct adapters whose rows a step's LoRA kernels read
+and the bytes of those rows (adapter_layout.lora_read_bytes): over the step count, what a mean step of the kind
+reads beside the base weights and KV, the part of a step that grows with the number of adapters served.
 """
 from __future__ import annotations
 
@@ -36,12 +39,15 @@ class StepStats:
     tokens: dict[str, int] = _zeros(int)
     launch: dict[str, float] = _zeros(float)
     ahead: dict[str, int] = _zeros(int)  # steps launched before the last one's tokens reached the host
+    adapters: dict[str, int] = _zeros(int)  # distinct adapters read, summed over steps
+    adapter_bytes: dict[str, int] = _zeros(int)  # bytes of their rows, summed over steps
     last_end: float = float("-inf")  # when the last recorded step's tokens reached the host
 
     def record(self, kind: str, started: float, tokens: int, now: float | None = None,
-               launched: float | None = None, ahead: bool = False) -> None:
+               launched: float | None = None, ahead: bool = False, adapters: int = 0, adapter_bytes: int = 0) -> None:
         """One finished step of `kind`, begun at `started` and launched by `launched` (time.perf_counter);
-        `ahead`: launched before the step before it had ended (overlap_steps)."""
+        `ahead`: launched before the step before it had ended (overlap_steps); `adapters`: distinct adapters
+        whose rows it read, `adapter_bytes` of rows."""
         if kind not in self.steps:
             raise ValueError(f"unknown step kind {kind!r}; kinds are {', '.join(STEP_KINDS)}")
         now = time.perf_counter() if now is None else now
@@ -50,6 +56,8 @@ class StepStats:
         self.seconds[kind] += max(0.0, now - own)
         self.tokens[kind] += tokens
         self.ahead[kind] += ahead
+        self.adapters[kind] += adapters
+        self.adapter_bytes[kind] += adapter_bytes
         if launched is not None:
             self.launch[kind] += max(0.0, launched - own)
         self.last_end = max(self.last_end, now)

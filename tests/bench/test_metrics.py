@@ -176,6 +176,15 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
                             ("ahead", "loraplex_worker_steps_ahead_total")):
             rise = metric(after, name, worker="worker-0", kind=kind) - metric(before, name, worker="worker-0", kind=kind)
             assert steps[kind][field] == rise, (kind, field)
+        # A mean step's adapters read and the MB of their rows, from the server's counters' rise.
+        if steps[kind]["steps"]:
+            # Reported to 2 decimals (adapters) and 3 (MB): within half the last digit.
+            for field, name, scale, half in (("adapters_mean", "loraplex_worker_step_adapters_total", 1, 5e-3),
+                                             ("adapter_mb_mean", "loraplex_worker_step_adapter_bytes_total", 1e6, 5e-4)):
+                rise = metric(after, name, worker="worker-0", kind=kind) - metric(before, name, worker="worker-0", kind=kind)
+                assert steps[kind][field] == pytest.approx(rise / scale / steps[kind]["steps"], abs=half), (kind, field)
+    # Every request names one of the two adapters: each step read one or both.
+    assert 1 <= steps["decode"]["adapters_mean"] <= 2 and steps["decode"]["adapter_mb_mean"] > 0
     assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["graph"]["steps"] == 0
     # Steps not launched ahead, by why: the server's counters' rise, every reason reported.
     held_back = report["worker_steps_held_back"]

@@ -155,6 +155,22 @@ def test_worker_steps_figure_hatches_the_hosts_part_of_each_step_where_lines_rec
     assert [label for label, _ in drawn["mean_ms"]["prefill"]] == [plain, variant, "S2 loraplex n=5 R=40 cv=1"]
 
 
+def test_worker_steps_figure_gives_the_adapter_rows_a_step_read_where_lines_record_them(tmp_path):
+    read = steps((5000, 110.0), (0, 0.0), (250, 50.0))
+    for kind, mb in (("graph", 21012.5), ("decode", 0.0), ("prefill", 21400.0)):
+        read[kind].update(adapters_mean=333.0 if mb else 0.0, adapter_mb_mean=mb)
+    lines = [line(n=2000, rate=40.0, worker_steps=read),
+             line(n=5, rate=40.0, worker_steps=steps((100, 2.0), (0, 0.0), (10, 1.0)))]  # an older line: none
+    png = str(tmp_path / "sat-worker-steps.png")
+    drawn = plot_file(write(tmp_path / "sat.jsonl", lines))[png]
+    assert drawn["adapter_gb"]["graph"] == [("S2 loraplex n=2000 R=40 cv=1", pytest.approx(21.0125)),
+                                            ("S2 loraplex n=5 R=40 cv=1", 0.0)]
+    assert drawn["adapter_gb"]["prefill"][0][1] == pytest.approx(21.4)
+    assert open(png, "rb").read(8) == PNG_MAGIC
+    # Lines without them: two panels, no third.
+    assert "adapter_gb" not in plot_file(write(tmp_path / "old.jsonl", lines[1:]))[str(tmp_path / "old-worker-steps.png")]
+
+
 def test_worker_steps_of_a_policy_sweep_name_every_points_policy(tmp_path):
     ws = steps((100, 2.0), (0, 0.0), (10, 1.0))
     lines = [line(policy=p, cv=8.0, rate=24.0, worker_steps=ws) for p in ("early-abort", "fcfs")]

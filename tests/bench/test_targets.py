@@ -92,6 +92,18 @@ def test_a_missed_ratio_says_where_the_time_goes_when_both_points_recorded_it(tm
         "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time; launched by the host in 1.2 vs "
         "1.0 ms), prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time; launched by the host in 120.5 vs "
         "60.2 ms)")
+    # And those that recorded the adapters a step read, how many and how many bytes of rows.
+    timed["graph"].update(adapters_mean=333.4, adapter_mb_mean=21012.5)
+    timed["prefill"].update(adapters_mean=340.0, adapter_mb_mean=21400.0)
+    base["graph"].update(adapters_mean=0.0, adapter_mb_mean=0.0)
+    base["prefill"].update(adapters_mean=0.0, adapter_mb_mean=0.0)
+    sat = write(tmp_path / "rows.jsonl", [line("loraplex", 100, 28.2, 42.9, worker_steps=timed),
+                                          line("base-only", 100, 32.9, 45.4, worker_steps=base)])
+    assert {x.target: x for x in verdicts([sat])}["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == (
+        "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time; launched by the host in 1.2 vs "
+        "1.0 ms; rows of 333 vs 0 adapters read, 21.01 vs 0.00 GB a step), prefill steps 212.7 vs 187.9 ms "
+        "(31% vs 30% of step time; launched by the host in 120.5 vs 60.2 ms; rows of 340 vs 0 adapters read, "
+        "21.40 vs 0.00 GB a step)")
 
 
 def test_a_same_run_target_is_met_only_by_two_lines_of_one_run(tmp_path):

@@ -124,6 +124,9 @@ def test_status_endpoint_totals_equal_metrics(stack):
         assert worker["slots"][kind] == metric_sum(m, "loraplex_pool_slots", worker="worker-0", kind=kind)
     for kind, steps in worker["steps"].items():
         assert steps["ahead"] == metric_sum(m, "loraplex_worker_steps_ahead_total", worker="worker-0", kind=kind)
+        assert steps["adapters"] == metric_sum(m, "loraplex_worker_step_adapters_total", worker="worker-0", kind=kind)
+        assert steps["adapter_bytes"] == metric_sum(m, "loraplex_worker_step_adapter_bytes_total", worker="worker-0",
+                                                    kind=kind)
     assert set(worker["steps_held_back"]) == {"prompt", "batch", "round", "slots"}
     for reason, n in worker["steps_held_back"].items():
         assert n == metric_sum(m, "loraplex_worker_steps_held_back_total", worker="worker-0", reason=reason)

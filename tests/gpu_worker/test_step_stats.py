@@ -16,11 +16,13 @@ def test_record_adds_up_by_kind_and_refuses_unknown_kinds():
     assert stats.steps == {"graph": 0, "decode": 0, "prefill": 0}
     stats.record("prefill", started=10.0, tokens=12, now=10.25, launched=10.125)
     stats.record("decode", started=11.0, tokens=2, now=11.5, launched=11.25)
-    stats.record("decode", started=12.0, tokens=2, now=12.25)  # no launch time given: none counted
+    stats.record("decode", started=12.0, tokens=2, now=12.25, adapters=3, adapter_bytes=3000)  # no launch time
     assert stats.steps == {"graph": 0, "decode": 2, "prefill": 1}
     assert stats.seconds == {"graph": 0.0, "decode": 0.75, "prefill": 0.25}
     assert stats.tokens == {"graph": 0, "decode": 4, "prefill": 12}
     assert stats.launch == {"graph": 0.0, "decode": 0.25, "prefill": 0.125}
+    assert stats.adapters == {"graph": 0, "decode": 3, "prefill": 0}
+    assert stats.adapter_bytes == {"graph": 0, "decode": 3000, "prefill": 0}
     with pytest.raises(ValueError, match="unknown step kind 'eager'"):
         stats.record("eager", started=0.0, tokens=1)
     # Separate instances share nothing.
@@ -72,3 +74,46 @@ def test_engine_counts_a_prefill_step_then_decode_steps(tmp_path, overlap):
     else:
         assert stats.ahead == {"graph": 0, "decode": 0, "prefill": 0}
         assert 0 < stats.launch["decode"] <= stats.seconds["decode"]
+
+
+def test_a_step_counts_the_distinct_adapters_it_reads_and_their_bytes(tmp_path):
+    from shared.adapter_format import load_adapter
+    from shared.make_adapters import make_adapters
+    from shared.model_config import MODULES
+
+    from services.gpu_worker.adapter_layout import lora_read_bytes
+
+    model_dir = make_model(tmp_path / "model", preset="tiny", seed=2)
+    engine = Engine.from_model_dir(model_dir, EngineConfig(overlap_steps=False))
+    cfg = engine.cfg
+    dirs = make_adapters(tmp_path / "adapters", model_dir, 2, ranks=[8, 4], seed=3)
+    read = {}
+    for name, folder in zip(("r8", "r4"), dirs):
+        packed = engine.register_adapter(name, load_adapter(folder, cfg, 8))
+        read[name] = lora_read_bytes(packed.ranks, cfg, packed.rows.element_size())
+    # Rank r on every module reads r rows of A and of Bᵀ, at their true lengths, per layer (bf16 or fp32).
+    width = sum(sum(cfg.module_dims(m)) for m in MODULES)
+    assert read["r8"] == 2 * read["r4"] == 8 * width * cfg.num_layers * packed.rows.element_size()
+    # Three requests on two adapters and one on the base model; "a" and "b" share r8. "b" ends first.
+    for rid, adapter, outputs in (("a", "r8", 4), ("b", "r8", 2), ("c", "r4", 4), ("base", None, 4)):
+        engine.add_request(EngineRequest(rid, [5, 6, 7], SamplingParams(max_tokens=outputs, ignore_eos=True),
+                                         adapter=adapter))
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.capacity()["step_stats"]
+    # The prefill step and the first decode step read both adapters (the base request reads none); after "b"
+    # ends "a" still holds r8, so every decode step reads both.
+    assert stats.steps == {"graph": 0, "decode": 3, "prefill": 1}
+    assert stats.adapters == {"graph": 0, "decode": 6, "prefill": 2}
+    both = read["r8"] + read["r4"]
+    assert stats.adapter_bytes == {"graph": 0, "decode": 3 * both, "prefill": both}
+
+
+def test_a_base_only_step_reads_no_adapter(tmp_path):
+    engine = Engine.from_model_dir(make_model(tmp_path / "model", preset="tiny", seed=2), EngineConfig())
+    engine.add_request(EngineRequest("base", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.capacity()["step_stats"]
+    assert sum(stats.steps.values()) == 3
+    assert stats.adapters == stats.adapter_bytes == {"graph": 0, "decode": 0, "prefill": 0}

@@ -218,6 +218,11 @@ def test_status_counts_the_steps_by_kind(stack):
     # decode steps of requests still running.
     ahead = delta("step_ahead_counts")
     assert set(ahead) == set(steps) and ahead["decode"] >= 1 and all(ahead[k] <= steps[k] for k in steps)
+    # Every step read the one adapter all three requests use, the same rows each time.
+    adapters, adapter_bytes = delta("step_adapters"), delta("step_adapter_bytes")
+    assert adapters == steps
+    per_step = {adapter_bytes[kind] / steps[kind] for kind in steps if steps[kind]}
+    assert len(per_step) == 1 and per_step.pop() > 0
     # And those that were not, by why: the three requests sampled greedily and fitted the pool.
     held_back = delta("steps_held_back")
     assert set(held_back) == {"prompt", "batch", "round", "slots"} and held_back["slots"] == 0, held_back
