@@ -372,7 +372,6 @@ class ServerSampler:
                          "share": round(seconds[kind] / busy, 4) if busy else None}
         return out
 
-
     def _adapters_per_step(self, kind: str, steps: int) -> dict:
         # `last` is empty where no worker reported the counter (a server from before it); zero is a reading.
         reported = bool(self.step_counters["adapters", kind].last)

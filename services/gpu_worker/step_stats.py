@@ -16,7 +16,8 @@ step did not hide); a step whose launch takes nearly all of its time kept the GP
 them was scheduled only once the step before had ended, its whole launch in the GPU's time.
 `adapters` and `adapter_bytes` sum, over the steps, the distinct adapters whose rows a step's LoRA kernels read
 and the bytes of those rows (adapter_layout.lora_read_bytes): over the step count, what a mean step of the kind
-reads beside the base weights and KV, the part of a step that grows with the number of adapters served.
+reads beside the base weights and KV, the part of a step that grows with the number of adapters served. They
+are the rows, each counted once: a prefill step's kernels may read a long segment's rows once per chunk.
 """
 from __future__ import annotations
 
