@@ -120,11 +120,19 @@ def main() -> int:
               "median_ms": {k: statistics.median(v) for k, v in times.items()},
               "median_b_minus_a_ms": statistics.median(paired)}
     result["b_over_a"] = result["median_ms"]["B"] / result["median_ms"]["A"]
+    # What a decode step's LoRA kernels must read (the same under both settings): over the copy ceiling, the
+    # floor of their share of the step.
+    stats = engine.step_stats
+    decode_steps_run = stats.steps["graph"] + stats.steps["decode"]
+    result["adapters_a_step"] = (stats.adapters["graph"] + stats.adapters["decode"]) / decode_steps_run
+    rows_bytes = stats.adapter_bytes["graph"] + stats.adapter_bytes["decode"]
+    result["adapter_rows_gb_a_step"] = rows_bytes / decode_steps_run / 1e9
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"A ({args.a or 'defaults'}) {result['median_ms']['A']:.3f} ms, B ({args.b or 'defaults'}) "
           f"{result['median_ms']['B']:.3f} ms a step; B - A {result['median_b_minus_a_ms']:+.3f} ms "
-          f"(median of {args.rounds} paired rounds), B / A {result['b_over_a']:.4f}")
+          f"(median of {args.rounds} paired rounds), B / A {result['b_over_a']:.4f}; each step read "
+          f"{result['adapters_a_step']:.1f} adapters' rows, {result['adapter_rows_gb_a_step']:.3f} GB")
     return 0
 
 

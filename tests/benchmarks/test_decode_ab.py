@@ -31,6 +31,8 @@ def test_smoke_run_times_both_settings_in_paired_rounds(tmp_path):
     assert result["median_b_minus_a_ms"] == statistics.median([y - x for x, y in zip(a, b)])
     assert abs(result["b_over_a"] - statistics.median(b) / statistics.median(a)) < 1e-12
     assert "round 2/2:" in proc.stderr and "B / A" in proc.stdout
+    # Four requests over three adapters, one each in turn: every decode step reads the three adapters' rows.
+    assert result["adapters_a_step"] == 3 and result["adapter_rows_gb_a_step"] > 0
 
 
 def test_an_unknown_word_fails_before_the_engine_is_built(tmp_path):
