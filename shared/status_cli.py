@@ -45,6 +45,14 @@ def fmt_int(n) -> str:
     return "-" if n is None else f"{int(n):,}"
 
 
+def adapters_a_step(steps: dict) -> str:
+    """Distinct adapters whose rows a mean decode step (graph-replayed or eager) read since the worker started:
+    the part of a decode step that grows with the adapters served."""
+    decode = [steps.get(kind, {}) for kind in ("graph", "decode")]
+    count = sum(k.get("steps", 0) for k in decode)
+    return f"{sum(k.get('adapters', 0) for k in decode) / count:.1f}" if count else "-"
+
+
 def graphed(steps: dict) -> str:
     """Share of a worker's step time (since it started) in decode steps replayed from CUDA graphs: low under
     decode-heavy load means batches no graph covers, or a CPU worker."""
@@ -124,18 +132,19 @@ def render(status: dict, url: str, style: Style) -> str:
     lines.append("")
 
     lines.append(style.bold("Workers") + style.dim("   pool: # KV slots  : adapter slots  . free"
-                                                   "   graphed: step time in CUDA-graph decode steps"))
+                                                   "   graphed: step time in CUDA-graph decode steps"
+                                                   "   read: adapters a decode step read"))
     if workers:
         rows = [["WORKER", "HEALTH", "RUNNING", "WAITING", "POOL", "KV", "ADAPTER", "FREE", "TOTAL", "ADAPTERS", "LOADS",
-                 "PREEMPTED", "GRAPHED"]]
+                 "PREEMPTED", "GRAPHED", "READ"]]
         for w in workers:
             health = style.ok("healthy") if w["healthy"] else style.bad("stale" if w["ready"] else "not ready")
             s = w["slots"]
             rows.append([w["id"], health, fmt_int(w["running"]), fmt_int(w["waiting"]), pool_bar(s, style),
                          fmt_int(s["kv"]), fmt_int(s["adapter"]), fmt_int(s["free"]), fmt_int(s["total"]),
                          fmt_int(w["resident_adapters"]), fmt_int(w["adapter_loads"]), fmt_int(w["preemptions"]),
-                         graphed(w.get("steps") or {})])
-        lines += table(rows, right={2, 3, 5, 6, 7, 8, 9, 10, 11, 12})
+                         graphed(w.get("steps") or {}), adapters_a_step(w.get("steps") or {})])
+        lines += table(rows, right={2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13})
     else:
         lines.append("  no worker has reported yet")
     lines.append("")
