@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     roof.add_argument("--duration-s", type=float, default=120.0)
     roof.add_argument("--batch", type=int, default=256, help="running batch the weights are amortised over")
     roof.add_argument("--seed", type=int, default=0)
+    roof.add_argument("--hbm-gbs", type=float, default=0.0,
+                      help="copy ceiling in GB/s (read + written) to use instead of measuring; needs --matmul-tflops")
+    roof.add_argument("--matmul-tflops", type=float, default=0.0,
+                      help="bf16 matmul ceiling in TFLOP/s to use instead of measuring; needs --hbm-gbs")
     roof.add_argument("--json", action="store_true", help="one JSON object instead of text")
 
     ad = sub.add_parser("adapters", help=COMMANDS_HELP["adapters"], description=(
@@ -263,27 +267,37 @@ def cmd_targets(args, argv) -> int:
 
 
 def cmd_roofline(args, argv) -> int:
-    from bench.roofline import Ceilings, roofline_rps
+    from bench.roofline import Ceilings, attainable_rps, roofline_rps
     from bench.driver import measure_ceilings_apart
     from bench.settings import get_setting
     from bench.workload import make_trace
 
     setting = get_setting(args.setting)
-    ceilings = Ceilings(**measure_ceilings_apart(args.device))
+    if (args.hbm_gbs > 0) != (args.matmul_tflops > 0):
+        sys.stderr.write("--hbm-gbs and --matmul-tflops go together (ceilings measured elsewhere, e.g. a result "
+                         "line's `ceilings`)\n")
+        return 2
+    if args.hbm_gbs > 0:
+        ceilings = Ceilings(device="cuda", name="given", hbm_gbs=args.hbm_gbs, matmul_tflops=args.matmul_tflops,
+                            h2d_gbs=0.0, copy_bytes=0, matmul_n=0, matmul_dtype="bfloat16", pinned=False)
+    else:
+        ceilings = Ceilings(**measure_ceilings_apart(args.device))
     trace = make_trace(args.n, 1.0, args.rate, 1.0, args.duration_s, args.seed)
     dtype_bytes = 2 if ceilings.device.startswith("cuda") else 4
     rps = roofline_rps(setting, trace, ceilings, args.batch, None, dtype_bytes)  # adapters at the mean rank
+    attainable = attainable_rps(setting, trace, ceilings, args.batch, None, dtype_bytes)
     out = {"setting": setting.name, "n_adapters": args.n, "batch": args.batch, "requests": len(trace),
-           "roofline_rps": rps, "ceilings": ceilings.as_dict()}
+           "roofline_rps": rps, "attainable_rps": attainable, "ceilings": ceilings.as_dict()}
     if args.json:
         sys.stdout.write(json.dumps(out) + "\n")
     else:
         c = ceilings
+        host = "" if args.hbm_gbs > 0 else f", host-to-device {c.h2d_gbs:.1f} GB/s{'' if c.pinned else ' (not pinned)'}"
         sys.stdout.write(f"{c.name}: device-to-device copy {c.hbm_gbs:.1f} GB/s, {c.matmul_dtype} matmul "
-                         f"{c.matmul_tflops:.2f} TFLOP/s, host-to-device {c.h2d_gbs:.1f} GB/s"
-                         f"{'' if c.pinned else ' (not pinned)'}\n"
+                         f"{c.matmul_tflops:.2f} TFLOP/s{host}\n"
                          f"{setting.name} (n={args.n}, batch {args.batch}, {len(trace)} requests): roofline "
-                         f"{rps:.2f} req/s\n")
+                         f"{rps:.2f} req/s; each operation at the ceiling that binds it (GEMMs past the ridge "
+                         f"point by their FLOPs): {attainable:.2f} req/s, {attainable / rps:.2f} of the roofline\n")
     return 0
 
 

@@ -530,7 +530,7 @@ class Driver:
         return line
 
     def roofline_fields(self, p, line: dict, ceilings: dict, pool_slots: int, population) -> dict:
-        from bench.roofline import Ceilings, roofline_rps, server_batch
+        from bench.roofline import Ceilings, attainable_rps, roofline_rps, server_batch
 
         c = Ceilings(**ceilings)
         trace = p.trace()
@@ -543,7 +543,9 @@ class Driver:
         rps = roofline_rps(self.setting, trace, c, batch, ranks, dtype_bytes)
         throughput = line.get("throughput_rps")
         return {"roofline_rps": rps, "roofline_batch": batch, "ceilings": ceilings,
-                "roofline_fraction": throughput / rps if throughput is not None else None}
+                "roofline_fraction": throughput / rps if throughput is not None else None,
+                # The most of the roofline any server reaches here: each operation at its binding ceiling.
+                "attainable_rps": attainable_rps(self.setting, trace, c, batch, ranks, dtype_bytes)}
 
 
 def point_model_for(p, base_model: str, model_for: Callable) -> Callable:

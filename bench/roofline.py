@@ -18,6 +18,15 @@ other o - 1 from decode steps):
 The roofline throughput of the trace is its request count over the sum of those times: the GPU does each
 request's share of work one batch after another, at best at the measured ceilings.
 
+The roofline counts decode as bytes only. Past the GPU's ridge point (matmul rate over copy rate, ~180 FLOP a
+byte on an H200) a step's linears are bound by their FLOPs instead: 2 FLOPs per weight per token, against
+weight bytes read once for the whole batch, so at a batch of a few hundred tokens the GEMMs take longer than
+their bytes. `attainable_rps` is the throughput of a server whose every operation runs at the ceiling that
+binds it: a decode step's linears and its LM head each take the longer of their weight bytes over the copy
+rate and their FLOPs over the matmul rate; norms, KV and adapter rows are read at the copy rate (attention
+and the LoRA kernels do ~1–4 FLOPs a byte, far below the ridge, so their FLOPs never bind); prefill as in the
+roofline. Its ratio to the roofline is the most of the roofline any server reaches on the trace at that batch.
+
 Batch: the server's largest running batch (EngineConfig.max_running_requests, 256), capped, when the pool's
 size is known, by how many requests' KV it holds at the trace's mean context (`server_batch`).
 """
@@ -162,6 +171,12 @@ class RequestCost:
     kv_bytes: int
     adapter_bytes: float
     prefill_flops: int
+    # Of weight_bytes, the linears' and the LM head's shares, and the FLOPs their decode steps do for this
+    # request (attainable_seconds; 0 where a cost was written without them).
+    linear_weight_bytes: float = 0.0
+    head_weight_bytes: float = 0.0
+    decode_linear_flops: int = 0
+    decode_head_flops: int = 0
 
     @property
     def decode_bytes(self) -> float:
@@ -169,6 +184,14 @@ class RequestCost:
 
     def seconds(self, ceilings: Ceilings) -> float:
         return self.decode_bytes / (ceilings.hbm_gbs * 1e9) + self.prefill_flops / (ceilings.matmul_tflops * 1e12)
+
+    def attainable_seconds(self, ceilings: Ceilings) -> float:
+        """Each decode operation at the ceiling that binds it (module doc): never less than `seconds`."""
+        bw, rate = ceilings.hbm_gbs * 1e9, ceilings.matmul_tflops * 1e12
+        streamed = self.decode_bytes - self.linear_weight_bytes - self.head_weight_bytes
+        return (max(self.linear_weight_bytes / bw, self.decode_linear_flops / rate)
+                + max(self.head_weight_bytes / bw, self.decode_head_flops / rate)
+                + streamed / bw + self.prefill_flops / rate)
 
 
 def request_cost(setting: Setting, prompt_len: int, output_len: int, batch: int, rank: int = 0,
@@ -184,11 +207,16 @@ def request_cost(setting: Setting, prompt_len: int, output_len: int, batch: int,
     kv_tokens = steps * p + steps * (steps + 1) // 2  # Σ_{k=1}^{o-1} (p + k)
     attention = 4 * cfg.q_dim * (p * (p + 1) // 2) * cfg.num_layers
     lora = 2 * p * setting.adapter_params(rank) if rank else 0
+    head = cfg.hidden_size * cfg.vocab_size
     return RequestCost(
         weight_bytes=steps * decode_weight_bytes(setting, dtype_bytes) / batch,
         kv_bytes=kv_tokens * kv_bytes_per_token(setting, dtype_bytes),
         adapter_bytes=steps * adapter_read_bytes(setting, rank, dtype_bytes) / adapter_sharers if rank else 0.0,
-        prefill_flops=2 * p * linear_params(setting) + lora + attention + 2 * cfg.hidden_size * cfg.vocab_size,
+        prefill_flops=2 * p * linear_params(setting) + lora + attention + 2 * head,
+        linear_weight_bytes=steps * linear_params(setting) * dtype_bytes / batch,
+        head_weight_bytes=steps * head * dtype_bytes / batch,
+        decode_linear_flops=steps * 2 * linear_params(setting),
+        decode_head_flops=steps * 2 * head,
     )
 
 
@@ -213,12 +241,14 @@ def _rank_of(setting: Setting, adapter: int | None, ranks: Sequence[int] | None)
 
 
 def trace_seconds(setting: Setting, trace: Sequence, ceilings: Ceilings, batch: int,
-                  ranks: Sequence[int] | None = None, dtype_bytes: int = 2) -> float:
-    """Σ over the trace of each request's roofline time. `ranks[i]` is adapter i's rank (default: the
-    setting's mean rank for every adapter)."""
+                  ranks: Sequence[int] | None = None, dtype_bytes: int = 2, attainable: bool = False) -> float:
+    """Σ over the trace of each request's roofline time (`attainable`: its time with each operation at the
+    ceiling that binds it). `ranks[i]` is adapter i's rank (default: the setting's mean rank for every
+    adapter)."""
     sharers = _sharers(trace, batch)
-    return sum(request_cost(setting, r.prompt_len, r.output_len, batch, _rank_of(setting, r.adapter, ranks), s,
-                            dtype_bytes).seconds(ceilings) for r, s in zip(trace, sharers))
+    costs = (request_cost(setting, r.prompt_len, r.output_len, batch, _rank_of(setting, r.adapter, ranks), s,
+                          dtype_bytes) for r, s in zip(trace, sharers))
+    return sum(c.attainable_seconds(ceilings) if attainable else c.seconds(ceilings) for c in costs)
 
 
 def roofline_rps(setting: Setting, trace: Sequence, ceilings: Ceilings, batch: int,
@@ -227,6 +257,15 @@ def roofline_rps(setting: Setting, trace: Sequence, ceilings: Ceilings, batch: i
     if not trace:
         raise ValueError("roofline of an empty trace")
     return len(trace) / trace_seconds(setting, trace, ceilings, batch, ranks, dtype_bytes)
+
+
+def attainable_rps(setting: Setting, trace: Sequence, ceilings: Ceilings, batch: int,
+                   ranks: Sequence[int] | None = None, dtype_bytes: int = 2) -> float:
+    """Requests per second with every operation at the ceiling that binds it (module doc): at most the
+    roofline, and its ratio to it the most of the roofline any server reaches at this batch."""
+    if not trace:
+        raise ValueError("attainable throughput of an empty trace")
+    return len(trace) / trace_seconds(setting, trace, ceilings, batch, ranks, dtype_bytes, attainable=True)
 
 
 def roofline_fraction(throughput_rps: float, setting: Setting, trace: Sequence, ceilings: Ceilings, batch: int,

@@ -1,5 +1,6 @@
 """`loraplex bench`: every action explains itself, refuses bad input by name, and does its job on a CPU."""
 import json
+import re
 
 import pytest
 
@@ -34,12 +35,27 @@ def test_help_explains_every_action(capsys):
     assert "--policy" in capsys.readouterr().out
 
 
+def test_roofline_with_ceilings_given_measures_nothing_and_says_what_the_gemms_allow(capsys):
+    code, out, _ = run(capsys, "roofline", "--setting", "S2", "--n", "2000", "--rate", "40", "--duration-s", "140",
+                       "--batch", "384", "--hbm-gbs", "4200", "--matmul-tflops", "764")
+    assert code == 0
+    first, second = out.splitlines()
+    assert first == "given: device-to-device copy 4200.0 GB/s, bfloat16 matmul 764.00 TFLOP/s"
+    # Past the ridge point the linears take their FLOPs' time: less than the roofline, by a tenth or so here.
+    figures = re.search(r"roofline ([0-9.]+) req/s; .*: ([0-9.]+) req/s, ([0-9.]+) of the roofline", second)
+    roof, attainable, share = (float(x) for x in figures.groups())
+    assert 0.8 < share < 0.95 and attainable / roof == pytest.approx(share, abs=0.005)
+    code, _, err = run(capsys, "roofline", "--hbm-gbs", "4200")
+    assert code == 2 and "--matmul-tflops" in err
+
+
 def test_roofline_on_a_cpu_prints_ceilings_and_throughput(capsys):
     code, out, _ = run(capsys, "roofline", "--setting", "tiny", "--device", "cpu", "--n", "4", "--rate", "5",
                        "--duration-s", "10", "--batch", "8", "--json")
     assert code == 0
     result = json.loads(out)
     assert result["setting"] == "tiny" and result["batch"] == 8 and result["roofline_rps"] > 0
+    assert 0 < result["attainable_rps"] <= result["roofline_rps"]
     assert result["ceilings"]["device"] == "cpu" and result["ceilings"]["hbm_gbs"] > 0
 
 

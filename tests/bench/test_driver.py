@@ -78,6 +78,7 @@ def test_a_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
         assert x["setting"] == "tiny" and x["policy"] == "early-abort"
         assert x["n_completed"] > 0 and x["throughput_rps"] > 0
         assert 0 < x["roofline_fraction"] == pytest.approx(x["throughput_rps"] / x["roofline_rps"])
+        assert 0 < x["attainable_rps"] <= x["roofline_rps"]
         assert x["ceilings"]["device"] == "cpu" and x["gpu"] == "cpu"
         assert x["command"].startswith("loraplex bench sweep") and "--budget-s" in x["command"]
         assert "scheduler.queue_order=auto" in x["stack_command"]

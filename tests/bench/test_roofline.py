@@ -95,3 +95,35 @@ def test_bad_requests_are_refused():
         request_cost(TINY, 10, 10, batch=0)
     with pytest.raises(ValueError, match="empty trace"):
         roofline_rps(TINY, [], CEIL, 4)
+
+
+def test_the_linears_bind_by_their_flops_past_the_ridge_point():
+    from bench.roofline import linear_params
+
+    # CEIL's ridge point: 800e12 / 4000e9 = 200 FLOPs a byte. A token's linears do 2 FLOPs a weight and read
+    # its 2 bytes once for the batch: bound by bytes below 200 tokens a step, by FLOPs above.
+    small = request_cost(S2, 100, 11, batch=64, rank=16, adapter_sharers=2)
+    assert small.attainable_seconds(CEIL) == pytest.approx(small.seconds(CEIL), rel=1e-12)
+    large = request_cost(S2, 100, 11, batch=400, rank=16, adapter_sharers=2)
+    head = S2.model_config.hidden_size * S2.model_config.vocab_size
+    # Ten decode steps; each adds the FLOPs' time over the bytes' time, for the linears and the LM head.
+    extra = sum(10 * (2 * w / 800e12 - 2 * w / 400 / 4000e9) for w in (linear_params(S2), head))
+    assert large.attainable_seconds(CEIL) - large.seconds(CEIL) == pytest.approx(extra, rel=1e-9)
+    assert large.decode_linear_flops == 10 * 2 * linear_params(S2) and large.decode_head_flops == 10 * 2 * head
+    # The bytes split the same way the roofline counts them: linears, LM head, and the norms left over.
+    norms = (2 * 32 + 1) * 4096 * 2 * 10 / 400
+    assert large.weight_bytes == pytest.approx(large.linear_weight_bytes + large.head_weight_bytes + norms)
+
+
+def test_attainable_throughput_is_the_roofline_below_the_ridge_and_under_it_above():
+    from bench.roofline import attainable_rps
+
+    trace = [req(i, 64 + 7 * i, 20 + 3 * i, adapter=i % 3) for i in range(12)]
+    ranks = [8, 16, 64]
+    assert attainable_rps(S2, trace, CEIL, 8, ranks) == pytest.approx(roofline_rps(S2, trace, CEIL, 8, ranks))
+    above = attainable_rps(S2, trace, CEIL, 384, ranks)
+    assert above < roofline_rps(S2, trace, CEIL, 384, ranks)
+    # Past the ridge a larger batch saves only the bytes of what stays bytes-bound (norms): nearly nothing.
+    assert attainable_rps(S2, trace, CEIL, 768, ranks) == pytest.approx(above, rel=1e-3)
+    with pytest.raises(ValueError, match="empty trace"):
+        attainable_rps(S2, [], CEIL, 8)

@@ -178,3 +178,14 @@ def test_a_missed_target_names_how_busy_the_gpu_was(tmp_path):
     assert v["S2 n = 2000 ≥ 0.9 × n = 5"].status.endswith("; GPU busy 93% vs 99%")
     # Met, or one line without the figure: nothing to add.
     assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "met"
+
+
+def test_lines_that_record_the_attainable_throughput_say_how_much_of_the_roofline_it_allows(tmp_path):
+    sat = write(tmp_path / "s2-batch384.jsonl", [
+        line("loraplex", 2000, 28.5, 41.2, roofline_batch=384, attainable_rps=37.5),
+        line("loraplex", 5, 33.8, 48.2, roofline_batch=384),  # an older line without it
+        line("loraplex", 100, 20.0, 80.0, setting="S-GQA", rate=60.0, roofline_batch=512, attainable_rps=64.0)])
+    v = {x.target: x for x in verdicts([sat])}
+    assert v["S2 n = 2000 ≥ 30 req/s"].bound == (
+        "needs 0.73 of its roofline (41.2 req/s); every operation at its binding ceiling: 37.5 req/s (0.91 of it)")
+    assert v["≥ 60% of the roofline"].measured == "S-GQA n = 100 0.25 (at most 0.80); S2 n = 5 0.70; S2 n = 2000 0.69 (at most 0.91)"
