@@ -2,7 +2,9 @@
 
 - throughput vs number of adapters: one figure per setting, a line per system (and rate, cv, policy where
   the file holds several), log-scaled n; a system measured at one n only is a single point; loraplex's and
-  base-only's rooflines (`roofline_rps`) dashed beside them, so a target's distance from the limit shows;
+  base-only's rooflines (`roofline_rps`) dashed beside them, so a target's distance from the limit shows,
+  and where lines record it the attainable throughput (`attainable_rps`, every operation at the ceiling
+  that binds it, bench/roofline.py) dotted;
 - throughput and SLO attainment vs request rate: one figure per setting, a line per system and n;
 - SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy;
 - where each point's worker time went (steps by kind), for lines that record it (bench/plot_steps.py);
@@ -28,6 +30,7 @@ from bench.plot_steps import plot_steps
 
 ROOFLINE_SYSTEMS = ("loraplex", "base-only")  # the systems the targets compare; other baselines share the trace
 ROOFLINE = " roofline"  # label suffix of a roofline series, drawn dashed
+ATTAINABLE = " attainable"  # label suffix of an attainable-throughput series, drawn dotted
 OFFERED = "offered"  # the rate the load client sent, drawn dashed in grey: served = offered below capacity
 GROUP_KEYS = ("setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy")
 LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": "", "setting": "",
@@ -134,9 +137,11 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
     for ax, (ylabel, key, series) in zip(axes[0], panels):
         colors: dict[str, str] = {}  # a roofline takes the colour of the line it bounds
         for label, pts in series.items():
-            color = "grey" if label == OFFERED else colors.setdefault(label.removesuffix(ROOFLINE), f"C{len(colors)}")
-            dashed = label.endswith(ROOFLINE) or label == OFFERED
-            style = {"linestyle": "--", "marker": "x", "alpha": 0.7} if dashed else {"marker": "o"}
+            bounded = label.removesuffix(ROOFLINE).removesuffix(ATTAINABLE)
+            color = "grey" if label == OFFERED else colors.setdefault(bounded, f"C{len(colors)}")
+            dashed = label.endswith((ROOFLINE, ATTAINABLE)) or label == OFFERED
+            style = {"linestyle": ":" if label.endswith(ATTAINABLE) else "--", "marker": "x", "alpha": 0.7} \
+                if dashed else {"marker": "o"}
             if len(pts) == 1 and not dashed:  # a lone point drawn over the lines it may sit on
                 style = {"marker": "D", "markersize": 8, "zorder": 3}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, **style)
@@ -174,8 +179,11 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
     # A system measured at one n only (base-only or PEFT beside a loraplex sweep, say) shows as a point.
     limits = _series([x for x in lines if x["system"] in ROOFLINE_SYSTEMS], "n_adapters", "roofline_rps",
                      ("setting",), min_points=1)
+    reachable = _series([x for x in lines if x["system"] in ROOFLINE_SYSTEMS and x.get("attainable_rps")],
+                        "n_adapters", "attainable_rps", ("setting",), min_points=1)
     for (setting,), series in _series(lines, "n_adapters", "throughput_rps", ("setting",), min_points=1).items():
-        series = {**series, **{label + ROOFLINE: pts for label, pts in limits.get((setting,), {}).items()}}
+        series = {**series, **{label + ROOFLINE: pts for label, pts in limits.get((setting,), {}).items()},
+                  **{label + ATTAINABLE: pts for label, pts in reachable.get((setting,), {}).items()}}
         png = out_dir / f"{stem}-throughput-vs-adapters-{setting}.png"
         written[str(png)] = _figure([("throughput (req/s)", "throughput_rps", series)],
                                     f"{setting}: throughput vs number of adapters", "adapters (n)", True, png)

@@ -116,6 +116,17 @@ def test_throughput_vs_adapters_draws_the_rooflines_of_loraplex_and_base_only_da
     assert series["loraplex"][0] == (5.0, 27.99)
 
 
+def test_throughput_vs_adapters_draws_the_attainable_throughput_where_lines_record_it(tmp_path):
+    lines = [line("loraplex", n, throughput_rps=28.0, roofline_rps=46.0, attainable_rps=41.0) for n in (5, 2000)]
+    lines += [line("loraplex", 100, throughput_rps=28.0, roofline_rps=46.0)]  # an older line without it
+    lines += [line("base-only", 100, throughput_rps=33.0, roofline_rps=46.6, attainable_rps=42.0)]
+    drawn = plot_file(write(tmp_path / "sat.jsonl", lines), tmp_path)
+    series = drawn[str(tmp_path / "sat-throughput-vs-adapters-S2.png")]["throughput_rps"]
+    assert series["loraplex attainable"] == [(5.0, 41.0), (2000.0, 41.0)]
+    assert series["base-only attainable"] == [(100.0, 42.0)]
+    assert len(series["loraplex roofline"]) == 3
+
+
 def steps(graph, decode, prefill):
     """worker_steps of a point from (steps, seconds) per kind."""
     total = graph[1] + decode[1] + prefill[1]
