@@ -531,6 +531,7 @@ class Driver:
 
     def roofline_fields(self, p, line: dict, ceilings: dict, pool_slots: int, population) -> dict:
         from bench.roofline import Ceilings, attainable_rps, roofline_rps, server_batch
+        from bench.step_floor import with_floors
 
         c = Ceilings(**ceilings)
         trace = p.trace()
@@ -545,7 +546,9 @@ class Driver:
         return {"roofline_rps": rps, "roofline_batch": batch, "ceilings": ceilings,
                 "roofline_fraction": throughput / rps if throughput is not None else None,
                 # The most of the roofline any server reaches here: each operation at its binding ceiling.
-                "attainable_rps": attainable_rps(self.setting, trace, c, batch, ranks, dtype_bytes)}
+                "attainable_rps": attainable_rps(self.setting, trace, c, batch, ranks, dtype_bytes),
+                # Each kind of step against what its own work allows, from the worker's counters.
+                "worker_steps": with_floors(line.get("worker_steps"), self.setting, c, dtype_bytes)}
 
 
 def point_model_for(p, base_model: str, model_for: Callable) -> Callable:

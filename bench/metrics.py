@@ -148,7 +148,12 @@ STEP_COUNTERS = (("steps", "loraplex_worker_steps_total"), ("seconds", "loraplex
                  ("launch", "loraplex_worker_step_launch_seconds_total"),
                  ("ahead", "loraplex_worker_steps_ahead_total"),
                  ("adapters", "loraplex_worker_step_adapters_total"),
-                 ("adapter_bytes", "loraplex_worker_step_adapter_bytes_total"))
+                 ("adapter_bytes", "loraplex_worker_step_adapter_bytes_total"),
+                 ("decode_keys", "loraplex_worker_step_decode_keys_total"),
+                 ("prompt_pairs", "loraplex_worker_step_prompt_pairs_total"),
+                 ("sampled", "loraplex_worker_step_sampled_total"))
+# Of those, the totals a kind's floor needs (bench/step_floor.py), recorded as they are.
+FLOOR_COUNTERS = ("adapter_bytes", "decode_keys", "prompt_pairs", "sampled")
 
 
 class _CounterDelta:
@@ -369,6 +374,9 @@ class ServerSampler:
                                    if self.step_counters["ahead", kind].last else None),
                          # A mean step's distinct adapters read and the MB of their rows (None: not reported).
                          **self._adapters_per_step(kind, steps),
+                         # Totals for the kind's floor (None: not reported).
+                         **{name: (round(self.step_counters[name, kind].total)
+                                   if self.step_counters[name, kind].last else None) for name in FLOOR_COUNTERS},
                          "share": round(seconds[kind] / busy, 4) if busy else None}
         return out
 

@@ -5,7 +5,9 @@ took to schedule and launch it where the line records that (`launch_ms`): a step
 its time kept the GPU waiting on the host. Two points of one setting
 side by side (loraplex at n = 100 and base-only, say) show whether LoRA's cost is in decode or in prefill.
 Where lines record them (`adapter_mb_mean`), a third panel gives the GB of adapter rows a mean step of each
-kind read: what grows with the number of adapters served, beside the weights and KV every step reads.
+kind read: what grows with the number of adapters served, beside the weights and KV every step reads. A black
+tick on a mean step marks its floor where the line has one (`floor_ms`: every operation of the kind's steps at
+the ceiling that binds it, bench/step_floor.py).
 """
 from __future__ import annotations
 
@@ -55,6 +57,12 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
         mean_ax.barh([y + (i - 1) * bar for y in range(len(rows))], means, height=bar, label=name,
                      color=f"C{i}")
         drawn["mean_ms"][kind] = list(zip(labels, means))
+        floors = [(y, line["worker_steps"][kind].get("floor_ms")) for y, line in enumerate(rows)]
+        floors = [(y, ms) for y, ms in floors if ms]
+        if floors:
+            mean_ax.scatter([ms for _, ms in floors], [y + (i - 1) * bar for y, _ in floors], marker="|", s=160,
+                            color="black", zorder=3, label="floor" if "floor_ms" not in drawn else None)
+            drawn.setdefault("floor_ms", {})[kind] = [(labels[y], ms) for y, ms in floors]
         launches = [(y, line["worker_steps"][kind].get("launch_ms")) for y, line in enumerate(rows)]
         launches = [(y, ms) for y, ms in launches if ms is not None]
         if launches:
@@ -73,9 +81,9 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     if with_rows:
         axes[2].set_yticks(range(len(rows)), labels)
         axes[2].set_xlabel("adapter rows a mean step read (GB)")
-    legend_ax = mean_ax if drawn["launch_ms"] else share_ax
-    save_rows_figure(fig, tuple(axes), legend_ax, len(KINDS) + bool(drawn["launch_ms"]), title, fig_height,
-                     path)
+    marks = bool(drawn["launch_ms"]) + bool(drawn.get("floor_ms"))  # legend entries only the mean panel has
+    legend_ax = mean_ax if marks else share_ax
+    save_rows_figure(fig, tuple(axes), legend_ax, len(KINDS) + marks, title, fig_height, path)
     return drawn
 
 

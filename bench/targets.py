@@ -137,6 +137,10 @@ def where_the_time_goes(a: dict, b: dict) -> str:
         part = f"{name} steps {ms(x)} vs {ms(y)} ms ({share(x)} vs {share(y)} of step time"
         if x.get("launch_ms") is not None and y.get("launch_ms") is not None:
             part += f"; launched by the host in {x['launch_ms']:.1f} vs {y['launch_ms']:.1f} ms"
+        if x.get("floor_ms") is not None and y.get("floor_ms") is not None:
+            # Each operation at its binding ceiling (bench/step_floor.py): how near the steps run to their work.
+            part += (f"; floors {x['floor_ms']:.1f} vs {y['floor_ms']:.1f} ms, the steps at "
+                     f"{x['of_floor']:.2f} vs {y['of_floor']:.2f} of them")
         if x.get("adapters_mean") is not None and y.get("adapters_mean") is not None:
             # The part of a step that grows with the adapters served: their rows, read beside weights and KV.
             part += (f"; rows of {x['adapters_mean']:.0f} vs {y['adapters_mean']:.0f} adapters read, "

@@ -3,26 +3,35 @@ of a trace is queued at once, the engine runs until `--seconds` pass, and the st
 (decode steps replayed from CUDA graphs vs eager steps that carry prefill), so the serving ceiling of one
 GPU and where its time goes are known before the whole stack is measured. Each kind of step also reports
 how long the host took to launch it (`*_launch_ms`): a launch nearly as long as the step means the GPU waited
-on the host issuing kernels, a short one that the step is bound by its kernels.
+on the host issuing kernels, a short one that the step is bound by its kernels. `steps` gives each kind of
+step over the measured window with its floor (bench/step_floor.py: its own work with every operation at the
+ceiling that binds it, ceilings measured after the run), to set beside a served point's `worker_steps`.
 
     python benchmarks/engine_trace.py --adapters 100 --seconds 40 --out trace.json
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import json
 import sys
 import time
 from dataclasses import fields
 
 import numpy as np
+import torch
 
+from bench.roofline import measure_ceilings
+from bench.settings import ATTENTION, get_setting
+from bench.step_floor import setting_of, window_steps, with_floors
 from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
 from shared.config import EngineConfig, add_config_arguments
 from shared.model_config import ModelConfig
+from shared.tiny_model import VOCAB_SIZE, hf_config
 
 
 def main() -> int:
@@ -42,26 +51,33 @@ def main() -> int:
                 "max_batched_tokens", "cuda_graph_max_batch")
     add_config_arguments(p.add_argument_group("engine"), EngineConfig, skip=set_here)
     p.add_argument("--out", default="engine_trace.json")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few seconds: checks the script runs")
     args = p.parse_args()
-    cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
+    if args.smoke:  # the tiny test model's shapes on q,k,v,o, as the `tiny` setting
+        cfg, targets, device, dtype = ModelConfig.from_hf(hf_config("tiny", VOCAB_SIZE)), ATTENTION, "cpu", "float32"
+        args.ranks, args.max_running, args.max_batched_tokens = "8,4", min(args.max_running, 8), 256
+    else:
+        cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
+        targets, device, dtype = TARGETS[args.model], "cuda", "bfloat16"
     ranks = [int(r) for r in args.ranks.split(",")]
     extra = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in set_here}
-    config = EngineConfig(device="cuda", dtype="bfloat16", num_slots=0, max_lora_rank=max(ranks),
+    config = EngineConfig(device=device, dtype=dtype, num_slots=4096 if args.smoke else 0, max_lora_rank=max(ranks),
                           max_running_requests=args.max_running,
                           max_batched_tokens=args.max_batched_tokens, cuda_graph_max_batch=args.max_running,
                           **extra)
     engine = Engine.with_dummy_weights(cfg, config)
-    targets = TARGETS[args.model]
     rng = np.random.default_rng(0)
     names = []
     for i in range(args.adapters):
         name = f"adapter-{i:04d}"
-        engine._local_adapters[name] = synthetic_adapter(name, cfg, int(rng.choice(ranks)), targets, engine.device)
+        engine._local_adapters[name] = synthetic_adapter(name, cfg, int(rng.choice(ranks)), targets, engine.device,
+                                                         engine.dtype)
         names.append(name)
     for i in range(args.requests):
-        prompt = rng.integers(3, cfg.vocab_size, int(rng.integers(8, 512))).tolist()
+        longest = 64 if args.smoke else 512  # the tiny model's context is short
+        prompt = rng.integers(3, cfg.vocab_size, int(rng.integers(8, longest))).tolist()
         adapter = names[int(rng.integers(0, len(names)))] if names else None
-        engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(8, 512)),
+        engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(8, longest)),
                                                                          ignore_eos=True), adapter))
     # Warm-up: the first steps compile kernels, capture graphs and load adapters, and the batch fills from the
     # queue in admission rounds; measure once --warmup seconds have passed and the batch has been full once
@@ -84,6 +100,7 @@ def main() -> int:
         filled = filled or len(engine.running) >= args.max_running
         if t0 is None and s0 >= warm_until and (filled or s0 >= give_up_filling):
             t0 = s0
+            counted_from = copy.deepcopy(engine.step_stats)  # its counters when the window opened
         if t0 is not None:
             kind = "graph" if flight.replayed else "eager"
             steps[kind].append(dt)
@@ -97,7 +114,8 @@ def main() -> int:
               file=sys.stderr)
         return 1
     wall = time.perf_counter() - t0
-    result = {"model": args.model, "adapters": args.adapters, "seconds": wall, "completed": done,
+    window = window_steps(counted_from, engine.step_stats)
+    result = {"model": "tiny" if args.smoke else args.model, "adapters": args.adapters, "seconds": wall, "completed": done,
               "req_per_s": done / wall, "out_tok_per_s": out_tokens / wall,
               "graph_steps": len(steps["graph"]), "eager_steps": len(steps["eager"]),
               "graph_step_ms": 1e3 * float(np.mean(steps["graph"])) if steps["graph"] else None,
@@ -113,6 +131,15 @@ def main() -> int:
               "admissions_ahead": engine.admissions_ahead, "places_taken_ahead": engine.places_taken_ahead,
               "held_back": dict(engine.held_back),  # steps not launched ahead, by why (Engine.held_back)
               "config": {k: v for k, v in extra.items() if v != getattr(EngineConfig, k)}}
+    # The ceilings once the engine's pool is given back (it takes the GPU memory the copies need).
+    del engine, flight
+    gc.collect()  # the engine's parts refer to each other: freed by the collector, not by `del` alone
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    ceilings = measure_ceilings(device)
+    setting = get_setting("tiny") if args.smoke else setting_of(args.model)
+    dtype_bytes = 4 if args.smoke else 2
+    result.update(steps=with_floors(window, setting, ceilings, dtype_bytes), ceilings=ceilings.as_dict())
     print(json.dumps(result), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")

@@ -191,6 +191,10 @@ class WorkerStatus(Message):
     # Distinct adapters whose rows the steps' LoRA kernels read, and the bytes of those rows, summed over steps.
     step_adapters: dict[str, int] = field(default_factory=dict)
     step_adapter_bytes: dict[str, int] = field(default_factory=dict)
+    # Contexts read by one-token rows, (query, key) pairs of prompt chunks, rows sampled (step_stats.py).
+    step_decode_keys: dict[str, int] = field(default_factory=dict)
+    step_prompt_pairs: dict[str, int] = field(default_factory=dict)
+    step_sampled: dict[str, int] = field(default_factory=dict)
     # Steps not launched ahead of the last one's tokens (overlap_steps), by why (step_stats.HELD_BACK_REASONS).
     steps_held_back: dict[str, int] = field(default_factory=dict)
 

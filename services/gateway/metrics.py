@@ -48,6 +48,9 @@ class SchedulerCollector:
         held_back = CounterMetricFamily("loraplex_worker_steps_held_back", "Engine steps not launched ahead of the last step's tokens (overlap_steps), by why: prompt, batch, round, slots", labels=["worker", "reason"])
         step_adapters = CounterMetricFamily("loraplex_worker_step_adapters", "Distinct adapters whose rows engine steps' LoRA kernels read, summed over steps, by kind (over the step count: a mean step's)", labels=["worker", "kind"])
         step_adapter_bytes = CounterMetricFamily("loraplex_worker_step_adapter_bytes", "Bytes of adapter rows engine steps' LoRA kernels read, summed over steps, by kind", labels=["worker", "kind"])
+        step_decode_keys = CounterMetricFamily("loraplex_worker_step_decode_keys", "Context tokens read by engine steps' one-token rows (their attention's K/V), summed over steps, by kind", labels=["worker", "kind"])
+        step_prompt_pairs = CounterMetricFamily("loraplex_worker_step_prompt_pairs", "(query, key) pairs engine steps' prompt chunks attend (causal), summed over steps, by kind", labels=["worker", "kind"])
+        step_sampled = CounterMetricFamily("loraplex_worker_step_sampled", "Rows whose logits engine steps computed, by kind", labels=["worker", "kind"])
         step_launch = CounterMetricFamily("loraplex_worker_step_launch_seconds", "Seconds of engine steps from their scheduling until their last kernel was launched (the host's part), by kind", labels=["worker", "kind"])
         for worker_id, status in sorted(self.view.workers.items()):
             running.add_metric([worker_id], status.running)
@@ -62,13 +65,16 @@ class SchedulerCollector:
             for family, values in ((steps, status.step_counts), (step_seconds, status.step_seconds),
                                    (step_tokens, status.step_tokens), (step_launch, status.step_launch_seconds),
                                    (step_ahead, status.step_ahead_counts), (step_adapters, status.step_adapters),
-                                   (step_adapter_bytes, status.step_adapter_bytes)):
+                                   (step_adapter_bytes, status.step_adapter_bytes),
+                                   (step_decode_keys, status.step_decode_keys),
+                                   (step_prompt_pairs, status.step_prompt_pairs), (step_sampled, status.step_sampled)):
                 for kind, value in sorted(values.items()):
                     family.add_metric([worker_id, kind], value)
             for reason, value in sorted(status.steps_held_back.items()):
                 held_back.add_metric([worker_id, reason], value)
         yield from (running, waiting, slots, loads, load_bytes, preemptions, steps, step_seconds, step_tokens,
-                    step_launch, step_ahead, step_adapters, step_adapter_bytes, held_back)
+                    step_launch, step_ahead, step_adapters, step_adapter_bytes, step_decode_keys, step_prompt_pairs,
+                    step_sampled, held_back)
         tiers = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (gpu pool, host arena, disk)", labels=["tier"])
         for tier, n in self.adapter_tiers().items():
             tiers.add_metric([tier], n)

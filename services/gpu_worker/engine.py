@@ -214,7 +214,14 @@ class Engine:
                 batch.input_ids[:rows.shape[0]].copy_(ids.index_select(0, rows))
             logits = self.model.forward(batch, self.pool)
         for seq, n in scheduled:
-            seq.num_computed += n
+            # The keys its queries attend: a one-token row reads its whole context (bytes); a chunk of a
+            # prompt attends causally (FLOPs). Counted for the steps' floors (step_stats.py).
+            before = seq.num_computed
+            if n == 1:
+                flight.decode_keys += before + 1
+            else:
+                flight.prompt_pairs += n * before + n * (n + 1) // 2
+            seq.num_computed = before + n
             flight.num_tokens += n
         flight.kind = step_kind(flight.replayed, decode_only)
         flight.samplers, flight.logits = samplers, logits
@@ -341,7 +348,9 @@ class Engine:
                 outputs.append(out)
         if flight.kind:  # its tokens are on the host (or it sampled nothing): the step is done
             self.step_stats.record(flight.kind, flight.launched_at, flight.num_tokens, launched=flight.launch_done_at,
-                                   ahead=flight.ahead, adapters=flight.adapters, adapter_bytes=flight.adapter_bytes)
+                                   ahead=flight.ahead, adapters=flight.adapters, adapter_bytes=flight.adapter_bytes,
+                                   decode_keys=flight.decode_keys, prompt_pairs=flight.prompt_pairs,
+                                   sampled=len(flight.samplers))
         for seq in flight.dropped:
             self._release_slots(seq)
         self._ahead = ahead

@@ -82,6 +82,8 @@ class StepInFlight:
     num_tokens: int = 0  # tokens the step computes (prompt and decode)
     adapters: int = 0  # distinct adapters whose rows its LoRA kernels read
     adapter_bytes: int = 0  # the bytes of those rows
+    decode_keys: int = 0  # Σ over its one-token rows of the context each reads
+    prompt_pairs: int = 0  # Σ over its prompt chunks' tokens of the keys each attends (causal)
     launch_done_at: float = 0.0  # time.perf_counter() once its last kernel was launched
     ahead: bool = False  # launched before the step before it had ended (lookahead.py)
     # Requests that ended (stop token) in the step before this one, which was launched before that was

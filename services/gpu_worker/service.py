@@ -216,6 +216,8 @@ class WorkerService:
                                                                           dict(stats.tokens))
             status.step_launch_seconds, status.step_ahead_counts = dict(stats.launch), dict(stats.ahead)
             status.step_adapters, status.step_adapter_bytes = dict(stats.adapters), dict(stats.adapter_bytes)
+            status.step_decode_keys, status.step_prompt_pairs = dict(stats.decode_keys), dict(stats.prompt_pairs)
+            status.step_sampled = dict(stats.sampled)
         status.steps_held_back = dict(cap.get("held_back", {}))
         self._send(status)
         self.finished_ids = []

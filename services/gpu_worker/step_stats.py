@@ -18,6 +18,10 @@ them was scheduled only once the step before had ended, its whole launch in the 
 and the bytes of those rows (adapter_layout.lora_read_bytes): over the step count, what a mean step of the kind
 reads beside the base weights and KV, the part of a step that grows with the number of adapters served. They
 are the rows, each counted once: a prefill step's kernels may read a long segment's rows once per chunk.
+`decode_keys` sums the contexts its one-token rows read (their attention reads K/V: bytes), `prompt_pairs` the
+keys its prompt chunks' tokens attend (their attention is causal matmuls: FLOPs), `sampled` the rows whose
+logits it computed. With `tokens` and `adapter_bytes` they are what a kind's floor needs, each operation at
+the ceiling that binds it (bench/step_floor.py).
 """
 from __future__ import annotations
 
@@ -42,13 +46,17 @@ class StepStats:
     ahead: dict[str, int] = _zeros(int)  # steps launched before the last one's tokens reached the host
     adapters: dict[str, int] = _zeros(int)  # distinct adapters read, summed over steps
     adapter_bytes: dict[str, int] = _zeros(int)  # bytes of their rows, summed over steps
+    decode_keys: dict[str, int] = _zeros(int)  # contexts read by one-token rows, summed
+    prompt_pairs: dict[str, int] = _zeros(int)  # (query, key) pairs of prompt chunks, summed
+    sampled: dict[str, int] = _zeros(int)  # rows whose logits the steps computed
     last_end: float = float("-inf")  # when the last recorded step's tokens reached the host
 
     def record(self, kind: str, started: float, tokens: int, now: float | None = None,
-               launched: float | None = None, ahead: bool = False, adapters: int = 0, adapter_bytes: int = 0) -> None:
+               launched: float | None = None, ahead: bool = False, adapters: int = 0, adapter_bytes: int = 0,
+               decode_keys: int = 0, prompt_pairs: int = 0, sampled: int = 0) -> None:
         """One finished step of `kind`, begun at `started` and launched by `launched` (time.perf_counter);
         `ahead`: launched before the step before it had ended (overlap_steps); `adapters`: distinct adapters
-        whose rows it read, `adapter_bytes` of rows."""
+        whose rows it read, `adapter_bytes` of rows; `decode_keys`, `prompt_pairs`, `sampled`: module doc."""
         if kind not in self.steps:
             raise ValueError(f"unknown step kind {kind!r}; kinds are {', '.join(STEP_KINDS)}")
         now = time.perf_counter() if now is None else now
@@ -59,6 +67,9 @@ class StepStats:
         self.ahead[kind] += ahead
         self.adapters[kind] += adapters
         self.adapter_bytes[kind] += adapter_bytes
+        self.decode_keys[kind] += decode_keys
+        self.prompt_pairs[kind] += prompt_pairs
+        self.sampled[kind] += sampled
         if launched is not None:
             self.launch[kind] += max(0.0, launched - own)
         self.last_end = max(self.last_end, now)

@@ -79,6 +79,10 @@ def test_a_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
         assert x["n_completed"] > 0 and x["throughput_rps"] > 0
         assert 0 < x["roofline_fraction"] == pytest.approx(x["throughput_rps"] / x["roofline_rps"])
         assert 0 < x["attainable_rps"] <= x["roofline_rps"]
+        # Each kind of step that ran got its floor from the worker's counters and the run's ceilings.
+        ran = [s for s in x["worker_steps"].values() if s["steps"]]
+        assert ran and all(s["floor_ms"] > 0 and s["of_floor"] == pytest.approx(s["floor_ms"] / s["mean_ms"], abs=1e-3)
+                           for s in ran)
         assert x["ceilings"]["device"] == "cpu" and x["gpu"] == "cpu"
         assert x["command"].startswith("loraplex bench sweep") and "--budget-s" in x["command"]
         assert "scheduler.queue_order=auto" in x["stack_command"]

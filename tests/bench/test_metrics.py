@@ -173,7 +173,11 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
     steps = report["worker_steps"]
     for kind in ("graph", "decode", "prefill"):
         for field, name in (("steps", "loraplex_worker_steps_total"), ("tokens", "loraplex_worker_step_tokens_total"),
-                            ("ahead", "loraplex_worker_steps_ahead_total")):
+                            ("ahead", "loraplex_worker_steps_ahead_total"),
+                            ("decode_keys", "loraplex_worker_step_decode_keys_total"),
+                            ("prompt_pairs", "loraplex_worker_step_prompt_pairs_total"),
+                            ("sampled", "loraplex_worker_step_sampled_total"),
+                            ("adapter_bytes", "loraplex_worker_step_adapter_bytes_total")):
             rise = metric(after, name, worker="worker-0", kind=kind) - metric(before, name, worker="worker-0", kind=kind)
             assert steps[kind][field] == rise, (kind, field)
         # A mean step's adapters read and the MB of their rows, from the server's counters' rise.
@@ -185,6 +189,9 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
                 assert steps[kind][field] == pytest.approx(rise / scale / steps[kind]["steps"], abs=half), (kind, field)
     # Every request names one of the two adapters: each step read one or both.
     assert 1 <= steps["decode"]["adapters_mean"] <= 2 and steps["decode"]["adapter_mb_mean"] > 0
+    # Every prompt's tokens attend causally in prefill steps; decode steps' rows each read their context.
+    assert steps["prefill"]["prompt_pairs"] == sum(r.prompt_len * (r.prompt_len + 1) // 2 for r in trace)
+    assert steps["decode"]["decode_keys"] > steps["decode"]["tokens"] and steps["decode"]["prompt_pairs"] == 0
     assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["graph"]["steps"] == 0
     # Steps not launched ahead, by why: the server's counters' rise, every reason reported.
     held_back = report["worker_steps_held_back"]

@@ -182,6 +182,17 @@ def test_worker_steps_figure_gives_the_adapter_rows_a_step_read_where_lines_reco
     assert "adapter_gb" not in plot_file(write(tmp_path / "old.jsonl", lines[1:]))[str(tmp_path / "old-worker-steps.png")]
 
 
+def test_worker_steps_figure_marks_each_steps_floor_where_lines_have_one(tmp_path):
+    floored = steps((5000, 110.0), (0, 0.0), (250, 50.0))
+    floored["graph"].update(floor_ms=15.5, of_floor=0.7)
+    lines = [line(n=5, rate=40.0, worker_steps=floored),
+             line(n=100, rate=40.0, worker_steps=steps((100, 2.0), (0, 0.0), (10, 1.0)))]  # an older line: none
+    png = str(tmp_path / "sat-worker-steps.png")
+    drawn = plot_file(write(tmp_path / "sat.jsonl", lines))[png]
+    assert drawn["floor_ms"] == {"graph": [("S2 loraplex n=5 R=40 cv=1", 15.5)]}
+    assert open(png, "rb").read(8) == PNG_MAGIC
+
+
 def test_worker_steps_of_a_policy_sweep_name_every_points_policy(tmp_path):
     ws = steps((100, 2.0), (0, 0.0), (10, 1.0))
     lines = [line(policy=p, cv=8.0, rate=24.0, worker_steps=ws) for p in ("early-abort", "fcfs")]

@@ -92,6 +92,15 @@ def test_a_missed_ratio_says_where_the_time_goes_when_both_points_recorded_it(tm
         "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time; launched by the host in 1.2 vs "
         "1.0 ms), prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time; launched by the host in 120.5 vs "
         "60.2 ms)")
+    # And those that recorded each kind's floor, how near their steps ran to it.
+    floored, floored_base = steps(21.8, 212.7, 0.31), steps(17.8, 187.9, 0.30)
+    floored["graph"].update(floor_ms=16.35, of_floor=0.75)
+    floored_base["graph"].update(floor_ms=15.13, of_floor=0.85)
+    sat = write(tmp_path / "floors.jsonl", [line("loraplex", 100, 28.2, 42.9, worker_steps=floored),
+                                            line("base-only", 100, 32.9, 45.4, worker_steps=floored_base)])
+    assert {x.target: x for x in verdicts([sat])}["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == (
+        "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time; floors 16.4 vs 15.1 ms, the steps "
+        "at 0.75 vs 0.85 of them), prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time)")
     # And those that recorded the adapters a step read, how many and how many bytes of rows.
     timed["graph"].update(adapters_mean=333.4, adapter_mb_mean=21012.5)
     timed["prefill"].update(adapters_mean=340.0, adapter_mb_mean=21400.0)

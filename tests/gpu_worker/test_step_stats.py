@@ -117,3 +117,22 @@ def test_a_base_only_step_reads_no_adapter(tmp_path):
     stats = engine.capacity()["step_stats"]
     assert sum(stats.steps.values()) == 3
     assert stats.adapters == stats.adapter_bytes == {"graph": 0, "decode": 0, "prefill": 0}
+
+
+def test_a_step_counts_the_keys_its_rows_attend_and_the_rows_it_samples(tmp_path):
+    engine = Engine.from_model_dir(make_model(tmp_path / "model", preset="tiny", seed=2),
+                                   EngineConfig(overlap_steps=False, max_batched_tokens=6))
+    # A prompt of 9 tokens in chunks of 6 and 3 (the budget), beside one of 2 admitted with the second chunk.
+    engine.add_request(EngineRequest("long", list(range(3, 12)), SamplingParams(max_tokens=3, ignore_eos=True)))
+    engine.step()
+    engine.add_request(EngineRequest("short", [4, 5], SamplingParams(max_tokens=3, ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.capacity()["step_stats"]
+    # Prefill: chunk 1 attends 1+2+...+6 = 21 pairs, chunk 2 (positions 7..9) 7+8+9 = 24 beside "short"'s
+    # 1+2 = 3; only the second step samples (both requests' first tokens).
+    assert stats.steps["prefill"] == 2 and stats.prompt_pairs["prefill"] == 21 + 24 + 3
+    assert stats.decode_keys["prefill"] == 0 and stats.sampled["prefill"] == 2
+    # Two decode steps of both rows: "long" reads 10 then 11 keys, "short" 3 then 4.
+    assert stats.steps["decode"] == 2 and stats.decode_keys["decode"] == 10 + 11 + 3 + 4
+    assert stats.prompt_pairs["decode"] == 0 and stats.sampled["decode"] == 4

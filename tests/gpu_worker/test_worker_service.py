@@ -223,6 +223,11 @@ def test_status_counts_the_steps_by_kind(stack):
     assert adapters == steps
     per_step = {adapter_bytes[kind] / steps[kind] for kind in steps if steps[kind]}
     assert len(per_step) == 1 and per_step.pop() > 0
+    # Each prompt's tokens attended causally once; each of the 5 outputs of each request was sampled once; the
+    # decode rows read their contexts.
+    assert sum(delta("step_prompt_pairs").values()) == sum(len(p) * (len(p) + 1) // 2 for p in prompts)
+    assert sum(delta("step_sampled").values()) == 3 * 5
+    assert delta("step_decode_keys")["decode"] >= 4 * sum(len(p) + 1 for p in prompts)
     # And those that were not, by why: the three requests sampled greedily and fitted the pool.
     held_back = delta("steps_held_back")
     assert set(held_back) == {"prompt", "batch", "round", "slots"} and held_back["slots"] == 0, held_back

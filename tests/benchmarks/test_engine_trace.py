@@ -1,0 +1,27 @@
+"""The engine-alone trace runs end to end on the CPU (tiny model) and gives its window's steps their floors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench import REPO, child_env
+
+
+def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
+    out = tmp_path / "trace.jsonl"
+    proc = subprocess.run([sys.executable, "benchmarks/engine_trace.py", "--smoke", "--adapters", "3", "--requests",
+                           "60", "--seconds", "2", "--warmup", "1", "--out", str(out)],
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text().splitlines()[-1])
+    assert result["model"] == "tiny" and result["ceilings"]["device"] == "cpu"
+    steps = result["steps"]
+    ran = {kind: s for kind, s in steps.items() if s["steps"]}
+    assert "decode" in ran and steps["graph"]["steps"] == 0  # no graphs on the CPU
+    for kind, s in ran.items():
+        assert s["mean_ms"] > 0 and s["floor_ms"] > 0, kind
+        assert abs(s["of_floor"] - s["floor_ms"] / s["mean_ms"]) < 1e-3
+    # Decode rows read their contexts and sample; requests name the three adapters, whose rows steps read.
+    assert ran["decode"]["decode_keys"] > ran["decode"]["tokens"] == ran["decode"]["sampled"]
+    assert ran["decode"]["adapter_bytes"] > 0
