@@ -140,8 +140,9 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
             bounded = label.removesuffix(ROOFLINE).removesuffix(ATTAINABLE)
             color = "grey" if label == OFFERED else colors.setdefault(bounded, f"C{len(colors)}")
             dashed = label.endswith((ROOFLINE, ATTAINABLE)) or label == OFFERED
-            style = {"linestyle": ":" if label.endswith(ATTAINABLE) else "--", "marker": "x", "alpha": 0.7} \
-                if dashed else {"marker": "o"}
+            style = {"marker": "o"}
+            if dashed:
+                style = {"linestyle": ":" if label.endswith(ATTAINABLE) else "--", "marker": "x", "alpha": 0.7}
             if len(pts) == 1 and not dashed:  # a lone point drawn over the lines it may sit on
                 style = {"marker": "D", "markersize": 8, "zorder": 3}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, **style)

@@ -165,6 +165,12 @@ def adapter_read_bytes(setting: Setting, rank: int, dtype_bytes: int = 2) -> int
     return setting.adapter_params(rank) * dtype_bytes
 
 
+def bound_seconds(nbytes: float, flops: float, ceilings: Ceilings) -> float:
+    """An operation at the ceiling that binds it: the longer of its bytes at the copy rate and its FLOPs at the
+    matmul rate."""
+    return max(nbytes / (ceilings.hbm_gbs * 1e9), flops / (ceilings.matmul_tflops * 1e12))
+
+
 @dataclass(frozen=True)
 class RequestCost:
     weight_bytes: float  # this request's share of the base weights, over all its decode steps
@@ -187,11 +193,10 @@ class RequestCost:
 
     def attainable_seconds(self, ceilings: Ceilings) -> float:
         """Each decode operation at the ceiling that binds it (module doc): never less than `seconds`."""
-        bw, rate = ceilings.hbm_gbs * 1e9, ceilings.matmul_tflops * 1e12
         streamed = self.decode_bytes - self.linear_weight_bytes - self.head_weight_bytes
-        return (max(self.linear_weight_bytes / bw, self.decode_linear_flops / rate)
-                + max(self.head_weight_bytes / bw, self.decode_head_flops / rate)
-                + streamed / bw + self.prefill_flops / rate)
+        return (bound_seconds(self.linear_weight_bytes, self.decode_linear_flops, ceilings)
+                + bound_seconds(self.head_weight_bytes, self.decode_head_flops, ceilings)
+                + bound_seconds(streamed, 0, ceilings) + bound_seconds(0, self.prefill_flops, ceilings))
 
 
 def request_cost(setting: Setting, prompt_len: int, output_len: int, batch: int, rank: int = 0,
@@ -207,15 +212,15 @@ def request_cost(setting: Setting, prompt_len: int, output_len: int, batch: int,
     kv_tokens = steps * p + steps * (steps + 1) // 2  # Σ_{k=1}^{o-1} (p + k)
     attention = 4 * cfg.q_dim * (p * (p + 1) // 2) * cfg.num_layers
     lora = 2 * p * setting.adapter_params(rank) if rank else 0
-    head = cfg.hidden_size * cfg.vocab_size
+    linear, head = linear_params(setting), cfg.hidden_size * cfg.vocab_size
     return RequestCost(
         weight_bytes=steps * decode_weight_bytes(setting, dtype_bytes) / batch,
         kv_bytes=kv_tokens * kv_bytes_per_token(setting, dtype_bytes),
         adapter_bytes=steps * adapter_read_bytes(setting, rank, dtype_bytes) / adapter_sharers if rank else 0.0,
-        prefill_flops=2 * p * linear_params(setting) + lora + attention + 2 * head,
-        linear_weight_bytes=steps * linear_params(setting) * dtype_bytes / batch,
+        prefill_flops=2 * p * linear + lora + attention + 2 * head,
+        linear_weight_bytes=steps * linear * dtype_bytes / batch,
         head_weight_bytes=steps * head * dtype_bytes / batch,
-        decode_linear_flops=steps * 2 * linear_params(setting),
+        decode_linear_flops=steps * 2 * linear,
         decode_head_flops=steps * 2 * head,
     )
 

@@ -17,9 +17,10 @@ on the host, or work the floor does not count.
 """
 from __future__ import annotations
 
-from bench.roofline import Ceilings, kv_bytes_per_token, linear_params
+from bench.roofline import Ceilings, bound_seconds, kv_bytes_per_token, linear_params
 from bench.settings import Setting, get_setting
 
+# The counts a kind's floor needs (StepStats fields of the same names, summed over the kind's steps).
 NEEDS = ("steps", "tokens", "decode_keys", "prompt_pairs", "sampled", "adapter_bytes")
 
 
@@ -29,15 +30,15 @@ def floor_seconds(setting: Setting, ceilings: Ceilings, counts: dict, dtype_byte
     if steps <= 0:
         raise ValueError("a floor of no steps")
     cfg = setting.model_config
-    bw, rate = ceilings.hbm_gbs * 1e9, ceilings.matmul_tflops * 1e12
     linear, head = linear_params(setting), cfg.hidden_size * cfg.vocab_size
     tokens, sampled = counts["tokens"] / steps, counts["sampled"] / steps
     parts = {
-        "linears": steps * max(linear * dtype_bytes / bw, 2 * linear * tokens / rate),
-        "lm_head": steps * max(head * dtype_bytes / bw, 2 * head * sampled / rate) if sampled else 0.0,
-        "decode_attention": counts["decode_keys"] * kv_bytes_per_token(setting, dtype_bytes) / bw,
-        "prompt_attention": counts["prompt_pairs"] * 4 * cfg.q_dim * cfg.num_layers / rate,
-        "lora": counts["adapter_bytes"] / bw,
+        "linears": steps * bound_seconds(linear * dtype_bytes, 2 * linear * tokens, ceilings),
+        "lm_head": steps * bound_seconds(head * dtype_bytes, 2 * head * sampled, ceilings) if sampled else 0.0,
+        "decode_attention": bound_seconds(counts["decode_keys"] * kv_bytes_per_token(setting, dtype_bytes), 0,
+                                          ceilings),
+        "prompt_attention": bound_seconds(0, counts["prompt_pairs"] * 4 * cfg.q_dim * cfg.num_layers, ceilings),
+        "lora": bound_seconds(counts["adapter_bytes"], 0, ceilings),
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -67,8 +68,7 @@ def window_steps(before, after) -> dict:
         steps = after.steps[kind] - before.steps[kind]
         seconds = after.seconds[kind] - before.seconds[kind]
         out[kind] = {"steps": steps, "seconds": seconds, "mean_ms": 1e3 * seconds / steps if steps else None,
-                     **{name: getattr(after, name)[kind] - getattr(before, name)[kind]
-                        for name in ("tokens", "decode_keys", "prompt_pairs", "sampled", "adapter_bytes")}}
+                     **{name: getattr(after, name)[kind] - getattr(before, name)[kind] for name in NEEDS[1:]}}
     return out
 
 

@@ -82,13 +82,16 @@ def test_a_missed_ratio_says_where_the_time_goes_when_both_points_recorded_it(tm
         "prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time)")
     assert v["S2 n = 2000 ≥ 0.9 × n = 5"].status == "missed, beyond the roofline"
     # Lines that recorded the host's part of each step say it too.
+    def base_only_ratio(name, lora_steps, base_steps):
+        sat = write(tmp_path / f"{name}.jsonl", [line("loraplex", 100, 28.2, 42.9, worker_steps=lora_steps),
+                                                 line("base-only", 100, 32.9, 45.4, worker_steps=base_steps)])
+        return {x.target: x for x in verdicts([sat])}["S2 n = 100 ≥ 0.9 × base-only n = 100"].status
+
     timed = steps(21.8, 212.7, 0.31)
     timed["prefill"]["launch_ms"], timed["graph"]["launch_ms"] = 120.5, 1.2
     base = steps(17.8, 187.9, 0.30)
     base["prefill"]["launch_ms"], base["graph"]["launch_ms"] = 60.25, 1.0
-    sat = write(tmp_path / "timed.jsonl", [line("loraplex", 100, 28.2, 42.9, worker_steps=timed),
-                                           line("base-only", 100, 32.9, 45.4, worker_steps=base)])
-    assert {x.target: x for x in verdicts([sat])}["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == (
+    assert base_only_ratio("timed", timed, base) == (
         "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time; launched by the host in 1.2 vs "
         "1.0 ms), prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time; launched by the host in 120.5 vs "
         "60.2 ms)")
@@ -96,9 +99,7 @@ def test_a_missed_ratio_says_where_the_time_goes_when_both_points_recorded_it(tm
     floored, floored_base = steps(21.8, 212.7, 0.31), steps(17.8, 187.9, 0.30)
     floored["graph"].update(floor_ms=16.35, of_floor=0.75)
     floored_base["graph"].update(floor_ms=15.13, of_floor=0.85)
-    sat = write(tmp_path / "floors.jsonl", [line("loraplex", 100, 28.2, 42.9, worker_steps=floored),
-                                            line("base-only", 100, 32.9, 45.4, worker_steps=floored_base)])
-    assert {x.target: x for x in verdicts([sat])}["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == (
+    assert base_only_ratio("floors", floored, floored_base) == (
         "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time; floors 16.4 vs 15.1 ms, the steps "
         "at 0.75 vs 0.85 of them), prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time)")
     # And those that recorded the adapters a step read, how many and how many bytes of rows.
@@ -106,9 +107,7 @@ def test_a_missed_ratio_says_where_the_time_goes_when_both_points_recorded_it(tm
     timed["prefill"].update(adapters_mean=340.0, adapter_mb_mean=21400.0)
     base["graph"].update(adapters_mean=0.0, adapter_mb_mean=0.0)
     base["prefill"].update(adapters_mean=0.0, adapter_mb_mean=0.0)
-    sat = write(tmp_path / "rows.jsonl", [line("loraplex", 100, 28.2, 42.9, worker_steps=timed),
-                                          line("base-only", 100, 32.9, 45.4, worker_steps=base)])
-    assert {x.target: x for x in verdicts([sat])}["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == (
+    assert base_only_ratio("rows", timed, base) == (
         "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time; launched by the host in 1.2 vs "
         "1.0 ms; rows of 333 vs 0 adapters read, 21.01 vs 0.00 GB a step), prefill steps 212.7 vs 187.9 ms "
         "(31% vs 30% of step time; launched by the host in 120.5 vs 60.2 ms; rows of 340 vs 0 adapters read, "
