@@ -5,7 +5,8 @@ GPU and where its time goes are known before the whole stack is measured. Each k
 how long the host took to launch it (`*_launch_ms`): a launch nearly as long as the step means the GPU waited
 on the host issuing kernels, a short one that the step is bound by its kernels. `steps` gives each kind of
 step over the measured window with its floor (bench/step_floor.py: its own work with every operation at the
-ceiling that binds it, ceilings measured after the run), to set beside a served point's `worker_steps`.
+ceiling that binds it, ceilings measured before the engine is built, in a process of their own, as a sweep
+measures them before its stacks), to set beside a served point's `worker_steps`.
 
     python benchmarks/engine_trace.py --adapters 100 --seconds 40 --out trace.json
 """
@@ -13,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import sys
 import time
 from dataclasses import fields
 
 import numpy as np
-import torch
 
-from bench.roofline import measure_ceilings
+from bench.driver import measure_ceilings_apart
+from bench.roofline import Ceilings
 from bench.settings import ATTENTION, get_setting
 from bench.step_floor import setting_of, window_steps, with_floors
 from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
@@ -65,6 +65,10 @@ def main() -> int:
                           max_running_requests=args.max_running,
                           max_batched_tokens=args.max_batched_tokens, cuda_graph_max_batch=args.max_running,
                           **extra)
+    # Before the engine, in a child process: measured after a run, with the engine's memory given back, the
+    # copy ceiling read 3.79 TB/s on the H200 where sweeps read 4.09-4.20 before their stacks (2026-12-05), so
+    # floors here and in served lines were read at different rates.
+    ceilings = Ceilings(**measure_ceilings_apart(device))
     engine = Engine.with_dummy_weights(cfg, config)
     rng = np.random.default_rng(0)
     names = []
@@ -131,12 +135,6 @@ def main() -> int:
               "admissions_ahead": engine.admissions_ahead, "places_taken_ahead": engine.places_taken_ahead,
               "held_back": dict(engine.held_back),  # steps not launched ahead, by why (Engine.held_back)
               "config": {k: v for k, v in extra.items() if v != getattr(EngineConfig, k)}}
-    # The ceilings once the engine's pool is given back (it takes the GPU memory the copies need).
-    del engine, flight
-    gc.collect()  # the engine's parts refer to each other: freed by the collector, not by `del` alone
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    ceilings = measure_ceilings(device)
     setting = get_setting("tiny") if args.smoke else setting_of(args.model)
     dtype_bytes = 4 if args.smoke else 2
     result.update(steps=with_floors(window, setting, ceilings, dtype_bytes), ceilings=ceilings.as_dict())
