@@ -29,12 +29,23 @@ LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, interm
 TARGETS = {"llama2-7b": ("q_proj", "k_proj", "v_proj", "o_proj"), "llama3-8b": tuple(MODULES)}
 
 
+# GPU memory a benchmark's engine keeps free beside its pool and its synthetic adapters: CUDA graphs, a step's
+# activations and the allocator's slack (an S2 engine at a batch of 384 captures a few GB of graphs).
+GPU_RESERVE_BYTES = 8 << 30
+
+
 def synthetic_adapter(name: str, cfg: ModelConfig, rank: int, targets: tuple[str, ...], device,
                       dtype: torch.dtype = torch.bfloat16) -> PackedAdapter:
-    """Random rows already in pool format, made on the GPU (packing thousands of MB on the host is slow)."""
+    """Random rows already in pool format, made on the GPU (packing thousands of MB on the host is slow).
+
+    Kept on the GPU while it has GPU_RESERVE_BYTES to spare beside them, else in pinned host memory, where a
+    served worker's adapters wait too (loads are then host-to-device copies): an engine sized from free memory
+    leaves ~15% of it, ~19 GB on an H200, which 300 adapters of S2's ranks (~63 MB each) would overrun."""
     ranks = tuple(rank if m in targets else 0 for m in MODULES)
     a_off, b_off, n_slots = layout_offsets(ranks, cfg, cfg.kv_dim)
     rows = torch.randn(cfg.num_layers, 2, n_slots, cfg.kv_dim, device=device, dtype=dtype) * 0.01
+    if rows.is_cuda and torch.cuda.mem_get_info(rows.device)[0] < GPU_RESERVE_BYTES:
+        rows = rows.cpu().pin_memory()
     return PackedAdapter(name, rows, ranks, a_off, b_off)
 
 

@@ -162,9 +162,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run two more rounds per mode: one with the host's launch of its step under cProfile "
                         "(which Python functions the launch time goes to), one with each backend op's host time "
                         "and any CUDA sync reported")
-    p.add_argument("--pool-memory-fraction", type=float, default=EngineConfig.pool_memory_fraction,
-                   help="free GPU memory the pool takes; lower it for hundreds of --adapters, whose synthetic rows "
-                        "are made on the GPU beside the pool (S2's ranks: ~63 MB each)")
     p.add_argument("--direct-launch", action="store_true",
                    help="layers after the first launch their Triton kernels direct (worker.direct_launch)")
     p.add_argument("--out", default="prefill.txt")
@@ -175,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", num_slots=0 if cuda else 8192,
         max_lora_rank=max(RANKS), max_running_requests=args.requests + args.running,
         max_batched_tokens=args.max_batched_tokens, direct_launch=args.direct_launch,
-        pool_memory_fraction=args.pool_memory_fraction,
         overlap_steps=False))  # one admission step at a time, its whole launch on the host's clock
     names = [f"a{i}" for i in range(args.adapters or args.requests)]
     for i, name in enumerate(names):  # ranks mixed; by default each request of the round on its own adapter
