@@ -67,7 +67,9 @@ def window_steps(before, after) -> dict:
     for kind in after.steps:
         steps = after.steps[kind] - before.steps[kind]
         seconds = after.seconds[kind] - before.seconds[kind]
+        adapters = after.adapters[kind] - before.adapters[kind]
         out[kind] = {"steps": steps, "seconds": seconds, "mean_ms": 1e3 * seconds / steps if steps else None,
+                     "adapters_mean": adapters / steps if steps else None,
                      **{name: getattr(after, name)[kind] - getattr(before, name)[kind] for name in NEEDS[1:]}}
     return out
 

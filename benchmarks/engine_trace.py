@@ -4,9 +4,10 @@ of a trace is queued at once, the engine runs until `--seconds` pass, and the st
 GPU and where its time goes are known before the whole stack is measured. Each kind of step also reports
 how long the host took to launch it (`*_launch_ms`): a launch nearly as long as the step means the GPU waited
 on the host issuing kernels, a short one that the step is bound by its kernels. `steps` gives each kind of
-step over the measured window with its floor (bench/step_floor.py: its own work with every operation at the
-ceiling that binds it, ceilings measured before the engine is built, in a process of their own, as a sweep
-measures them before its stacks), to set beside a served point's `worker_steps`.
+step over the measured window with the distinct adapters a mean step read and its floor (bench/step_floor.py:
+its own work with every operation at the ceiling that binds it, ceilings measured before the engine is built,
+in a process of their own, as a sweep measures them before its stacks), to set beside a served point's
+`worker_steps`.
 
     python benchmarks/engine_trace.py --adapters 100 --seconds 40 --out trace.json
 """

@@ -63,9 +63,10 @@ def test_an_engines_steps_between_two_readings_are_recorded_as_a_points():
     before = copy.deepcopy(stats)
     for i in range(4):
         stats.record("decode", started=1.0 + i, tokens=8, now=1.02 + i, decode_keys=8 * 200, sampled=8,
-                     adapter_bytes=10**6)
+                     adapters=3 + i % 2, adapter_bytes=10**6)
     window = window_steps(before, stats)
     assert window["prefill"]["steps"] == 0 and window["prefill"]["mean_ms"] is None
+    assert window["prefill"]["adapters_mean"] is None and window["decode"]["adapters_mean"] == pytest.approx(3.5)
     decode = window["decode"]
     assert (decode["steps"], decode["tokens"], decode["decode_keys"], decode["sampled"]) == (4, 32, 6400, 32)
     assert decode["adapter_bytes"] == 4 * 10**6 and decode["mean_ms"] == pytest.approx(20.0)

@@ -25,3 +25,4 @@ def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
     # Decode rows read their contexts and sample; requests name the three adapters, whose rows steps read.
     assert ran["decode"]["decode_keys"] > ran["decode"]["tokens"] == ran["decode"]["sampled"]
     assert ran["decode"]["adapter_bytes"] > 0
+    assert 1 <= ran["decode"]["adapters_mean"] <= 3
