@@ -123,17 +123,22 @@ def test_the_shipped_plans_parse_and_name_scripts_that_exist():
                     assert (REPO / word).exists(), f"{path.name}: {step.name} names {word}"
 
 
-def test_the_shipped_plans_sweeps_select_points_of_their_specs():
-    sweeps = 0
+def shipped_sweep_steps():
+    """(plan path, step, sweep spec, --only filters) for every `bench sweep` a shipped plan's step runs."""
     for path in sorted((REPO / "benchmarks" / "plans").glob("*.yaml")):
         for step in load_plan(path):
             words = shlex.split(step.run.replace("{since}", "2026-12-04T00:00").replace("{budget}", "100"))
             for i, word in enumerate(words[:-2]):
                 if word == "bench" and words[i + 1] == "sweep":
-                    spec = SweepSpec.load(REPO / words[i + 2])
                     only = tuple(words[j + 1] for j, w in enumerate(words) if w == "--only")
-                    check_only(expand(spec), only)  # raises naming a filter that selects nothing
-                    sweeps += 1
+                    yield path, step, SweepSpec.load(REPO / words[i + 2]), only
+
+
+def test_the_shipped_plans_sweeps_select_points_of_their_specs():
+    sweeps = 0
+    for _, _, spec, only in shipped_sweep_steps():
+        check_only(expand(spec), only)  # raises naming a filter that selects nothing
+        sweeps += 1
     assert sweeps >= 4
 
 
@@ -142,17 +147,11 @@ def test_the_shipped_plans_sweep_steps_are_given_a_budget_their_first_stack_fits
     to start at all (it did, on the GPU, with a cap of 300 s): the least budget a step can be handed, its cap or
     its min_s less the margins, must hold that estimate with a few seconds for the command's own start."""
     checked = 0
-    for path in sorted((REPO / "benchmarks" / "plans").glob("*.yaml")):
-        for step in load_plan(path):
-            words = shlex.split(step.run.replace("{since}", "2026-12-04T00:00").replace("{budget}", "100"))
-            for i, word in enumerate(words[:-2]):
-                if word == "bench" and words[i + 1] == "sweep":
-                    spec = SweepSpec.load(REPO / words[i + 2])
-                    only = tuple(words[j + 1] for j, w in enumerate(words) if w == "--only")
-                    least = min(step.cap_s, step.min_s) - MARGIN_S - 5
-                    driver = Driver(spec, tmp_path / step.name, tmp_path / "none.jsonl", budget_s=least, only=only)
-                    (_, system, _, _), group = groups(selected(expand(spec), only))[0]
-                    why = driver.stack_fits(system, group[0])
-                    assert not why, f"{path.name}: {step.name}: {why}"
-                    checked += 1
+    for path, step, spec, only in shipped_sweep_steps():
+        least = min(step.cap_s, step.min_s) - MARGIN_S - 5
+        driver = Driver(spec, tmp_path / step.name, tmp_path / "none.jsonl", budget_s=least, only=only)
+        (_, system, _, _), group = groups(selected(expand(spec), only))[0]
+        why = driver.stack_fits(system, group[0])
+        assert not why, f"{path.name}: {step.name}: {why}"
+        checked += 1
     assert checked >= 4
