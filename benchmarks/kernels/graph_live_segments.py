@@ -160,8 +160,9 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
         shaped_as_bound = plan.exact and plan.live
         planned_for = bound.seg_adapter.shape[0] if shaped_as_bound else segments
         planned_len = None if shaped_as_bound else longest
+        listed = hints.get("chunk_items")  # the engine plans its split for the chunks a step lists
         cfg_s = choose_shrink_config(batch, len(modules), fan_in, pool.width, max_rank, x.device, True, planned_len,
-                                     planned_for, plan.live, plan.programs)
+                                     planned_for, plan.live, plan.programs, listed.count if listed else None)
         cfg_e = choose_expand_config(batch, len(modules), out_dims, pool.width, max_rank, x.device, True, planned_len,
                                      planned_for, plan.live, plan.programs)
         if plan.block_m:

@@ -132,6 +132,23 @@ def test_a_prefill_of_few_long_prompts_reads_its_inputs_in_narrower_tiles():
     assert choose_shrink_config(**{**common, "width": 32}).block_k == 32
 
 
+def test_a_prefill_of_short_segments_plans_its_split_for_the_chunks_it_runs():
+    # 4 multiprocessors on the CPU: a launch aims at 32 programs. 40 tokens over 20 segments, the longest 100
+    # tokens (2 chunks), on down's 11008 inputs in 2 rank tiles: counted as every segment times the longest
+    # one's chunks that is 80 programs, and the inputs go unsplit.
+    short = dict(num_tokens=40, num_groups=1, fan_in=11008, width=4096, max_rank=64, device=torch.device("cpu"),
+                 segmented=True, num_segments=20, max_seg_len=100)
+    assert choose_shrink_config(**short).block_m == 16
+    assert choose_shrink_config(**short).n_split == 1
+    # The step lists 4 chunks that hold tokens: 8 programs, so the inputs are split 4 ways to give 32.
+    assert choose_shrink_config(**short, chunk_programs=4).n_split == 4
+    assert choose_shrink_config(**short, chunk_programs=21).n_split == 1
+    # Long segments (64-row tiles) keep the count over every segment: split further they measured slower.
+    long = dict(short, num_tokens=8687, num_segments=100, max_seg_len=504)
+    assert choose_shrink_config(**long).block_m == 64
+    assert choose_shrink_config(**long, chunk_programs=4) == choose_shrink_config(**long)
+
+
 def test_live_segments_change_the_launch_and_not_the_result():
     lp = LoraPool(ALIGNED_CFG, torch.float32, seed=23)
     gen = torch.Generator().manual_seed(24)

@@ -20,7 +20,7 @@ from .checks import (
 )
 from .compiled_launch import CompiledLaunch
 from .launch_shapes import launch_shapes
-from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
+from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average
 from .lora_rows import (
     check_pool_buffer, check_segments, check_tables, few_adapter_graph, load_adapter_tile, module_slot,
     planned_segments, segment_chunk, segment_form,
@@ -231,11 +231,12 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     a layer at 100 adapters and 37 to 29 at 5. The launch-shape sweep at batch 64 (benchmarks/kernels/
     bench_lora.py) found several tiles a program slower, and an eager decode step's exact segments gained at
     100 adapters but lost at 5 (o: 18 against 22 µs, 12 against 9): those keep one tile.
-    An eager prefill launch (64-token chunks in 64-row tiles) walks two as well while that still leaves
-    8 programs a multiprocessor: each program then reads its chunk's y rows once for two tiles. On the H200
-    an S2 admission step's expand (8687 tokens over 100 adapters, benchmarks/kernels/admission_shapes.py)
-    went from 365 to 293 µs a layer for q,k,v, 124 to 101 for o, 647 to 519 for gate,up and 126 to 103 for
-    down, bit for bit the same output. Its chunks are walked in 16-row tiles with 16-row rank steps unless
+    An eager prefill launch (64-token chunks) walks two as well while that still leaves 8 programs a
+    multiprocessor: each program then reads its chunk's y rows once for two tiles. On the H200 an S2
+    admission step's expand (8687 tokens over 100 adapters, benchmarks/kernels/admission_shapes.py) went
+    from 365 to 293 µs a layer for q,k,v, 124 to 101 for o, 647 to 519 for gate,up and 126 to 103 for
+    down, bit for bit the same output; one of S2 n = 2000 (2926 tokens over 278 adapters, 10 tokens a
+    segment) from 169 to 148 for q,k,v and 295 to 252 for gate,up, o and down 2-3% faster. Its chunks are walked in 16-row tiles with 16-row rank steps unless
     its segments are full on average (lora_groups.full_on_average).
     live_segments, segment_programs: as in choose_shrink_config (a graph that shares its segments out among
     segment_programs programs has no empty ones, and keeps one tile a program; so do graphs of batches under
@@ -247,7 +248,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         return cdiv(max(out_dims), bn)
 
     units = num_segments if segmented and num_segments is not None else num_tokens
-    block_m, chunk, long_segments, short_prefill = 16, 0, False, False
+    block_m, chunk, short_prefill = 16, 0, False
     if segmented:
         units = planned_segments(units, live_segments, segment_programs)
         if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
@@ -259,7 +260,6 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
             # 78, down 85 to 79): a rank-8 or -16 adapter no longer pays for 32 rows. Over 5 adapters (1737 a
             # segment, full chunks) 64-row tiles and 32-row rank steps were 1-7% faster.
             chunk = PREFILL_CHUNK_TOKENS
-            long_segments = long_on_average(num_tokens, num_segments)
             short_prefill = not full_on_average(num_tokens, num_segments)
             block_m = 16 if short_prefill else 64
             if not segment_programs:
@@ -280,7 +280,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         graph_bound = max_seg_len is None and not segment_programs
         # `units` bounds a chunked launch's programs a column tile from below (a segment has a chunk at least,
         # a chunk at most `chunk` tokens): two tiles a program while that still fills the GPU.
-        prefill_wide = (long_segments and not segment_programs
+        prefill_wide = (chunk > 0 and not segment_programs
                         and units * num_groups * cdiv(n_tiles_of(block_n), 2) >= target)
         graph_wide = graph_bound and num_tokens >= GRAPH_TILES_MIN_TOKENS
         if graph_wide:

@@ -20,8 +20,8 @@ PREFILL_CHUNK_TOKENS = 64
 
 def long_on_average(num_tokens: int, num_segments: int | None) -> bool:
     """Whether a chunked launch's segments average 32 tokens or more (its chunks are mostly full, where a
-    decode step grouped by adapter has a few tokens a segment): shrink's 64-row tiles, expand's two column
-    tiles a program."""
+    decode step grouped by adapter has a few tokens a segment): shrink's 64-row tiles, and its input split
+    planned for every segment's share of the longest one's chunks (choose_shrink_config)."""
     return num_tokens >= 32 * (num_segments or 1)
 
 

@@ -274,7 +274,7 @@ class ShrinkConfig:
 def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: int, max_rank: int,
                          device: torch.device, segmented: bool, max_seg_len: int | None = None,
                          num_segments: int | None = None, live_segments: int | None = None,
-                         segment_programs: int = 0) -> ShrinkConfig:
+                         segment_programs: int = 0, chunk_programs: int | None = None) -> ShrinkConfig:
     """Enough programs to keep every multiprocessor streaming adapter rows, from few tokens (split the
     input dimension) or from many (split tokens into chunks for long prefill segments). The GEMV loop's
     loads are not software-pipelined, so memory parallelism comes from many resident programs: aim for
@@ -283,7 +283,9 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     counting all of them as work would leave a step of a few adapters to a handful of programs.
     `segment_programs` (0: one program per segment) shares the segments out among that many programs, so a
     graph's unused segments launch none. A graph launch planned for every segment (no live_segments, no
-    max_seg_len) splits its input at least GRAPH_SHRINK_MIN_SPLIT ways (kernel_shapes' graph_shrink_split)."""
+    max_seg_len) splits its input at least GRAPH_SHRINK_MIN_SPLIT ways (kernel_shapes' graph_shrink_split).
+    `chunk_programs`: the (segment, chunk) pairs a chunked launch runs, when the step lists them
+    (lora_groups.ChunkItems.count)."""
     block_k = pow2_divisor(width, 128)
     if block_k < 16:
         block_k = 32  # rows straddle slots inside a tile: the unaligned path
@@ -308,6 +310,16 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
                 # and 61 against 74 for down; over 100 (87 a segment) o, gate,up and down lost 10-30%.
                 block_k = min(block_k, 64)
             n_units = num_segments * cdiv(max_seg_len, chunk) if num_segments else cdiv(num_tokens, chunk)
+            if chunk_programs and block_m == 16:
+                # Segments of a few tokens (a round of prompts beside decode rows over many adapters): most
+                # programs stream one adapter's rows for a token or two, as at decode, so the split is planned
+                # for the programs the launch runs, not every segment times the longest one's chunks (7x more
+                # here). On the H200, S2 n = 2000's admission step (2926 tokens over 278 adapters, 313 chunks,
+                # docs/results/admission_shapes_p10_r374_n278_2026-12-05.json) took 116 against 184 µs a
+                # layer for down and 49 against 72 for o at two splits, the count's choice. Long segments
+                # (64-row tiles doing tl.dot work on full chunks) keep the old count: over 100 adapters
+                # (8687 tokens) the same splits were 27-39% slower.
+                n_units = chunk_programs
         elif few_adapter_graph(max_seg_len, live_segments, segment_programs):
             block_m = shapes.graph_few_shrink_m or GRAPH_FEW_SHRINK_BLOCK_M
             chunk = shapes.graph_few_chunk  # 0: a program walks each of its segments whole
@@ -386,7 +398,8 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     n_chunks = cdiv(fan_in, width)
     num_segments = seg_adapter.shape[0] if segmented else None
     cfg = config or choose_shrink_config(num_tokens, num_groups, fan_in, width, max_rank, device, segmented,
-                                         max_seg_len, num_segments, live_segments, segment_programs)
+                                         max_seg_len, num_segments, live_segments, segment_programs,
+                                         chunk_items.count if chunk_items is not None else None)
     aligned = width % cfg.block_k == 0 and cfg.block_k >= 16
     k_per_split = cdiv(cdiv(fan_in, cfg.n_split), cfg.block_k) * cfg.block_k
     n_split = cdiv(fan_in, k_per_split)
