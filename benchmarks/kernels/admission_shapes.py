@@ -26,8 +26,10 @@ from benchmarks.kernels.graph_live_segments import measure, plan_arguments, repo
 # each of these (below it 16-row tiles, 16-row rank steps, 128-column input tiles; from it 64, 32 and 64).
 # "sx2"/"sx4": shrink's inputs split more ways than planned (the plan counts every segment times the longest
 # one's chunks, ~3.7x the programs an admission step runs); on the H200 both were slower than the plan (q,k,v
-# 111 / 119 against 84 µs).
-ADMISSION_PLANS = ("exact", "exact ci", "exact ci t1", "exact ci t2", "exact ci w8", "exact ci n64", "exact ci n64 w8",
+# 111 / 119 against 84 µs). "sx1 t1": shrink unsplit, expand one column tile a program: a step of short
+# segments' shapes before 2026-12-05 (choose_shrink_config's chunk_programs).
+ADMISSION_PLANS = ("exact", "exact ci", "exact ci sx1 t1", "exact ci t1", "exact ci t2", "exact ci w8", "exact ci n64",
+                   "exact ci n64 w8",
                    "exact ci n256 w8", "exact ci r16", "exact ci r32", "exact ci s1", "exact ci s3", "exact ci m16",
                    "exact ci em16", "exact ci em64", "exact ci sw8",
                    "exact ci sk64", "exact ci sk128", "exact ci ss2", "exact ci ss4", "exact ci sx2", "exact ci sx4")
