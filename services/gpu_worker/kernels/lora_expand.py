@@ -236,8 +236,9 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
     admission step's expand (8687 tokens over 100 adapters, benchmarks/kernels/admission_shapes.py) went
     from 365 to 293 µs a layer for q,k,v, 124 to 101 for o, 647 to 519 for gate,up and 126 to 103 for
     down, bit for bit the same output; one of S2 n = 2000 (2926 tokens over 278 adapters, 10 tokens a
-    segment) from 169 to 148 for q,k,v and 295 to 252 for gate,up, o and down 2-3% faster. Its chunks are walked in 16-row tiles with 16-row rank steps unless
-    its segments are full on average (lora_groups.full_on_average).
+    segment) from 169 to 148 for q,k,v and 295 to 252 for gate,up, o and down 2-3% faster. Its chunks are
+    walked in 16-row tiles with 16-row rank steps unless its segments are full on average
+    (lora_groups.full_on_average).
     live_segments, segment_programs: as in choose_shrink_config (a graph that shares its segments out among
     segment_programs programs has no empty ones, and keeps one tile a program; so do graphs of batches under
     GRAPH_TILES_MIN_TOKENS, where fewer of the segments are empty)."""
