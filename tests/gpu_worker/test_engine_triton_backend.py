@@ -32,8 +32,11 @@ def run(base, adapters, backend: str, device: str, direct_launch: bool = False, 
         engine.add_request(EngineRequest(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True), adapter,
                                          return_logits=True))
     tokens, logits = {}, {}
-    late = EngineRequest("f", [8, 30, 31, 6, 2], SamplingParams(max_tokens=3, ignore_eos=True), "r3",
-                         return_logits=True)
+    # "f" joins the decoding requests with a 71-token prompt: a mixed step of segments short on average (76
+    # tokens over 3, one of them past a 64-token chunk), launched from its chunk list in 16-row tiles, its
+    # shrink split planned for the 4 chunks listed.
+    late = EngineRequest("f", [8, 30, 31, 6, 2] + [4 + i % 40 for i in range(66)],
+                         SamplingParams(max_tokens=3, ignore_eos=True), "r3", return_logits=True)
     while engine.has_unfinished():
         if late is not None and engine.has_unfinished() and tokens:
             # A prompt joining decoding requests: a mixed step, whose decode rows lead its batch.
