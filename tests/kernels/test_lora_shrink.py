@@ -133,20 +133,20 @@ def test_a_prefill_of_few_long_prompts_reads_its_inputs_in_narrower_tiles():
 
 
 def test_a_prefill_of_short_segments_plans_its_split_for_the_chunks_it_runs():
-    # 4 multiprocessors on the CPU: a launch aims at 32 programs. 40 tokens over 20 segments, the longest 100
-    # tokens (2 chunks), on down's 11008 inputs in 2 rank tiles: counted as every segment times the longest
-    # one's chunks that is 80 programs, and the inputs go unsplit.
-    short = dict(num_tokens=40, num_groups=1, fan_in=11008, width=4096, max_rank=64, device=torch.device("cpu"),
-                 segmented=True, num_segments=20, max_seg_len=100)
+    # 4 multiprocessors on the CPU: a launch aims at 32 programs. A 100-token prompt (2 chunks) beside 3 decode
+    # rows on other adapters, 103 tokens over 4 segments, on down's 11008 inputs in 2 rank tiles: counted as
+    # every segment times the longest one's chunks that is 16 programs, so the inputs split 2 ways.
+    short = dict(num_tokens=103, num_groups=1, fan_in=11008, width=4096, max_rank=64, device=torch.device("cpu"),
+                 segmented=True, num_segments=4, max_seg_len=100)
     assert choose_shrink_config(**short).block_m == 16
-    assert choose_shrink_config(**short).n_split == 1
-    # The step lists 4 chunks that hold tokens: 8 programs, so the inputs are split 4 ways to give 32.
-    assert choose_shrink_config(**short, chunk_programs=4).n_split == 4
-    assert choose_shrink_config(**short, chunk_programs=21).n_split == 1
+    assert choose_shrink_config(**short).n_split == 2
+    # The step lists the 5 chunks that hold tokens: 10 programs, so the inputs split 4 ways to give 32.
+    assert choose_shrink_config(**short, chunk_programs=5).n_split == 4
+    assert choose_shrink_config(**short, chunk_programs=8).n_split == 2  # as many as the old count: the same
     # Long segments (64-row tiles) keep the count over every segment: split further they measured slower.
     long = dict(short, num_tokens=8687, num_segments=100, max_seg_len=504)
     assert choose_shrink_config(**long).block_m == 64
-    assert choose_shrink_config(**long, chunk_programs=4) == choose_shrink_config(**long)
+    assert choose_shrink_config(**long, chunk_programs=101) == choose_shrink_config(**long)
 
 
 def test_live_segments_change_the_launch_and_not_the_result():
