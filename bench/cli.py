@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
         ". Each point is its latest saturation line (cv 1, alpha 1, early abort, highest rate); a ratio target "
         "beside the ratio of its points' rooflines, which no faster server can pass (bench/targets.py)."))
     targets.add_argument("files", nargs="*", help="result files (default docs/bench/*.jsonl)")
+    targets.add_argument("--gpu", default="H200", help="judge the lines measured on this GPU, matched within the "
+                         "line's device name (default H200, the GPU the targets are set for)")
 
     roof = sub.add_parser("roofline", help=COMMANDS_HELP["roofline"], description=(
         "Measure device-to-device copy, bf16 matmul and pinned host-to-device ceilings, then print the roofline "
@@ -262,7 +264,7 @@ def cmd_targets(args, argv) -> int:
     if not files:
         sys.stderr.write("no result files given and none in docs/bench/\n")
         return 1
-    sys.stdout.write(table(files))
+    sys.stdout.write(table(files, args.gpu))
     return 0
 
 

@@ -34,11 +34,12 @@ ATTAINABLE = " attainable"  # label suffix of an attainable-throughput series, d
 OFFERED = "offered"  # the rate the load client sent, drawn dashed in grey: served = offered below capacity
 GROUP_KEYS = ("setting", "system", "n_adapters", "alpha", "req_rate", "cv", "policy")
 LABEL_SHORT = {"n_adapters": "n", "req_rate": "R", "alpha": "alpha", "cv": "cv", "policy": "", "system": "", "setting": "",
-               "batch": "batch", "variant": ""}
+               "batch": "batch", "variant": "", "card": ""}
 # A line's curve also depends on the running batch its stack was capped at (a sweep's
 # worker.max_running_requests; the roofline assumes it) and on any server setting tried on the same points
-# (VARIANT_SETTINGS): read_lines adds them as `batch` and `variant`.
-SERIES_KEYS = GROUP_KEYS + ("batch", "variant")
+# (VARIANT_SETTINGS), and on the GPU that served it (a point measured on an H100 neither replaces the H200's
+# line nor joins its curve): read_lines adds them as `batch`, `variant` and `card`.
+SERIES_KEYS = GROUP_KEYS + ("batch", "variant", "card")
 # Settings a sweep sets to try a change of the server's behaviour on points other sweeps measure as shipped
 # (bench/sweeps/s2-batch384-wait.yaml, -overlap.yaml, -direct.yaml; launch shapes and slot runs a kernel run
 # favoured, benchmarks/kernels/pick_shapes.py). A line run with one is a variant of its point: it neither
@@ -70,8 +71,15 @@ def read_lines(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}:{number}: result line lacks {', '.join(missing)}")
         line["batch"] = int(line.get("roofline_batch") or MAX_RUNNING)  # lines before it was a setting ran the default
         line["variant"] = variant_of(line)
+        line["card"] = card_of(line)
         by_point[tuple(line[k] for k in SERIES_KEYS) + (line.get("duration_s"),)] = line
     return list(by_point.values())
+
+
+def card_of(line: dict) -> str:
+    """The GPU's model in a line's device name ("NVIDIA H100 80GB HBM3" -> "H100"; "" for a line naming none)."""
+    words = str(line.get("gpu") or "").replace("NVIDIA", "").split()
+    return words[0] if words else ""
 
 
 def variant_of(line: dict) -> str:

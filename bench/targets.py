@@ -12,7 +12,9 @@ do not. Lines that tried a server setting on the points (`variant`, plots.VARIAN
 it ships and are left out. Two loraplex points run at different running batches (`batch`, which read_lines takes from the line's
 `roofline_batch`, set by a sweep's worker.max_running_requests) are not compared: the status says so. A ratio
 of two lines whose `server_code` (bench/point.py: the server source's fingerprint) differs says so too: a
-change to the server between the points moves the ratio as much as the adapters do.
+change to the server between the points moves the ratio as much as the adapters do. The targets are set for
+one GPU (the H200): a line that names another in its `gpu` is left out, so a point measured on an H100 neither
+stands for the H200's nor enters a ratio with it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from bench.plot_steps import KINDS
 from bench.plots import fixed_pool, read_lines
 
 ROOFLINE_TARGET = 0.6
+TARGET_GPU = "H200"  # matched within a line's `gpu` (the device's name, e.g. "NVIDIA H200")
 
 
 @dataclass(frozen=True)
@@ -36,14 +39,21 @@ class Verdict:
         return f"| {self.target} | {self.measured} | {self.bound or '—'} | {self.status} |"
 
 
-def saturation_points(paths: list[str | Path]) -> dict[tuple[str, str, int], dict]:
-    """(setting, system, n) -> the line at the highest rate of the plain saturation points."""
+def on_gpu(line: dict, gpu: str) -> bool:
+    """Whether a line was measured on `gpu` (a part of the device's name); a line naming no GPU counts."""
+    return not line.get("gpu") or gpu.lower() in str(line["gpu"]).lower()
+
+
+def saturation_points(paths: list[str | Path], gpu: str = TARGET_GPU) -> dict[tuple[str, str, int], dict]:
+    """(setting, system, n) -> the line at the highest rate of the plain saturation points on `gpu`."""
     best: dict[tuple[str, str, int], dict] = {}
     for path in paths:
         for line in read_lines(path):
             if line["cv"] != 1 or line["alpha"] != 1 or line["policy"] != "early-abort":
                 continue
             if line.get("throughput_rps") is None or fixed_pool(line) or line["variant"]:
+                continue
+            if not on_gpu(line, gpu):
                 continue
             key = (line["setting"], line["system"], int(line["n_adapters"]))
             if key not in best or _rate_then_time(line) > _rate_then_time(best[key]):
@@ -167,9 +177,9 @@ def _attainable_share(line: dict) -> str:
     return f" (at most {attainable / roof:.2f})" if roof and attainable else ""
 
 
-def verdicts(paths: list[str | Path]) -> list[Verdict]:
-    """The issue's serving targets (docs/benchmarks.md), in its order."""
-    points = saturation_points(paths)
+def verdicts(paths: list[str | Path], gpu: str = TARGET_GPU) -> list[Verdict]:
+    """The issue's serving targets (docs/benchmarks.md), in its order, from the lines measured on `gpu`."""
+    points = saturation_points(paths, gpu)
     return [
         absolute(points, "S2", 2000, 30.0),
         ratio(points, "S2", ("loraplex", 2000), ("loraplex", 5), 0.9),
@@ -179,6 +189,6 @@ def verdicts(paths: list[str | Path]) -> list[Verdict]:
     ]
 
 
-def table(paths: list[str | Path]) -> str:
+def table(paths: list[str | Path], gpu: str = TARGET_GPU) -> str:
     rows = ["| target | measured | what the rooflines allow | status |", "|---|---|---|---|"]
-    return "\n".join(rows + [v.row() for v in verdicts(paths)]) + "\n"
+    return "\n".join(rows + [v.row() for v in verdicts(paths, gpu)]) + "\n"

@@ -197,3 +197,21 @@ def test_lines_that_record_the_attainable_throughput_say_how_much_of_the_rooflin
     assert v["S2 n = 2000 ≥ 30 req/s"].bound == (
         "needs 0.73 of its roofline (41.2 req/s); every operation at its binding ceiling: 37.5 req/s (0.91 of it)")
     assert v["≥ 60% of the roofline"].measured == "S-GQA n = 100 0.25 (at most 0.80); S2 n = 5 0.70; S2 n = 2000 0.69 (at most 0.91)"
+
+
+def test_a_line_measured_on_another_gpu_neither_stands_for_the_target_gpu_nor_enters_a_ratio(tmp_path):
+    h200 = dict(gpu="NVIDIA H200")
+    path = write(tmp_path / "s2.jsonl", [
+        line("loraplex", 100, 32.9, 47.0, started="2026-12-03T10:00:00+00:00", **h200),
+        line("base-only", 100, 33.3, 46.6, **h200),
+        # Later, so it would win its point if GPUs were not told apart.
+        line("loraplex", 100, 21.7, 33.6, started="2026-12-05T13:49:00+00:00", gpu="NVIDIA H100 80GB HBM3"),
+    ])
+    assert saturation_points([path])[("S2", "loraplex", 100)]["throughput_rps"] == 32.9
+    assert "32.9 / 33.30" in {x.target: x for x in verdicts([path])}["S2 n = 100 ≥ 0.9 × base-only n = 100"].measured
+    on_h100 = {x.target: x for x in verdicts([path], gpu="H100")}
+    assert on_h100["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "not measured"
+    out = subprocess.run([sys.executable, "-m", "shared.cli", "bench", "targets", "--gpu", "H100", path], cwd=REPO,
+                         env=child_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "S2 n = 100 0.65" in out.stdout and "S2 n = 100 0.70" not in out.stdout
