@@ -38,6 +38,7 @@ def test_the_shapes_the_h200_favoured_are_on_by_default_and_no_words_turn_them_o
     ("graph_few_shrink_m=8", "graph_few_shrink_m must be 16 to 128"),
     ("graph_few_shrink_m=256", "graph_few_shrink_m must be 16 to 128"),
     ("graph_few_shrink_m=48", "graph_few_shrink_m needs a power of two"),
+    ("graph_few_shrink_long=24", "graph_few_shrink_long needs a power of two"),
     ("split_mixed=yes", "split_mixed takes no value"),
     ("no_split_mixed=yes", "split_mixed takes no value"),
     ("no_attention_block_n=64", "unknown word 'no_attention_block_n'"),

@@ -6,7 +6,8 @@ import sys
 
 from bench import REPO, child_env
 
-SCRIPT = """
+# Compiles instead of launching, at Llama-3-8B shapes; the scripts below go on from it.
+PRELUDE = """
 import torch
 import benchmarks.kernels.compile_report as cr
 from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
@@ -14,6 +15,9 @@ from services.gpu_worker import kernels
 cr.triton_jit.JITFunction.run = cr._compile_instead_of_launch
 cfg = llama_config("llama3-8b")
 pool = AdapterPool(cfg, [8, 16, 32, 64], torch.bfloat16, "cpu")
+"""
+
+SCRIPT = PRELUDE + """
 modules = GROUPS["gate_up"]
 fan_in, out_dims = group_dims(cfg, modules)
 token_adapter = (torch.arange(512, dtype=torch.int32) * 7) % 4
@@ -51,3 +55,32 @@ def test_the_whole_rank_expand_compiles_for_sm90_without_spills():
     kernel, whole, regs, local, stack = run.stdout.split()
     assert (kernel, whole, local, stack) == ("_expand_segment_kernel", "True", "0", "0")
     assert 0 < int(regs) <= 255
+
+
+LONG_TILES = PRELUDE + """
+from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
+from shared.kernel_shapes import LaunchShapes
+modules = GROUPS["qkv"]
+fan_in, out_dims = group_dims(cfg, modules)
+token_adapter = (torch.arange(512, dtype=torch.int32) * 7) % 4
+shared = {**kernels.group_tokens_by_adapter(token_adapter, 100, count_live=True).kwargs(),
+          "live_segments": 32, "segment_programs": 32}
+x = torch.zeros(512, fan_in, dtype=torch.bfloat16)
+for words in ("", "graph_few_shrink_long=16"):
+    set_launch_shapes(LaunchShapes.parse(words))
+    kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, 64, **shared)
+for r in cr.RESULTS:
+    if r["kernel"] == "_shrink_segment_kernel":
+        print(r["consts"]["BLOCK_M"], r["consts"]["BLOCK_M_LONG"], r.get("REG"), r.get("LOCAL", 0), r.get("STACK", 0))
+"""
+
+
+def test_the_few_adapter_shrink_with_both_tile_heights_compiles_for_sm90_without_spills():
+    # A few-adapter graph's shrink (segments shared out among 32 programs), one tile height and two.
+    run = subprocess.run([sys.executable, "-c", LONG_TILES], cwd=REPO, env=compile_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines()]
+    assert [(m, long) for m, long, *_ in rows] == [("16", "0"), ("16", "64")]
+    for _, _, regs, local, stack in rows:
+        assert (local, stack) == ("0", "0") and 0 < int(regs) <= 255

@@ -9,8 +9,8 @@ from conftest import ALIGNED_CFG, LoraPool, assert_matches, launch_shapes_set
 from lora_cases import FORMS, make_batch
 
 from services.gpu_worker.kernels import lora_shrink
-from services.gpu_worker.kernels.lora_shrink import (GRAPH_FEW_SHRINK_BLOCK_M, GRAPH_SHRINK_MIN_SPLIT, ShrinkConfig,
-                                                     choose_shrink_config)
+from services.gpu_worker.kernels.lora_shrink import (GRAPH_FEW_SHRINK_BLOCK_M, GRAPH_FEW_SHRINK_LONG_M,
+                                                     GRAPH_SHRINK_MIN_SPLIT, ShrinkConfig, choose_shrink_config)
 from services.gpu_worker.ops import reference
 from shared.model_config import MODULES
 
@@ -116,6 +116,38 @@ def test_the_few_adapter_graph_plan_sets_its_own_token_tiles():
     with launch_shapes_set("graph_few_chunk=64"):
         assert choose_shrink_config(**common, **few).chunk_tokens == 64
         assert choose_shrink_config(**common).chunk_tokens == 0
+
+
+def test_graph_few_shrink_long_picks_the_tile_height_per_segment_in_few_adapter_graphs_alone():
+    common = dict(num_tokens=512, num_groups=2, fan_in=4096, width=4096, max_rank=64, device=torch.device("cpu"),
+                  segmented=True, num_segments=512)
+    few = dict(live_segments=32, segment_programs=32)
+    off = choose_shrink_config(**common, **few)
+    assert (off.block_m, off.block_m_long, off.long_from) == (GRAPH_FEW_SHRINK_BLOCK_M, 0, 0)
+    with launch_shapes_set("graph_few_shrink_long=16"):
+        on = choose_shrink_config(**common, **few)
+        assert (on.block_m, on.block_m_long, on.long_from) == (GRAPH_FEW_SHRINK_BLOCK_M, GRAPH_FEW_SHRINK_LONG_M, 16)
+        # Graphs planned for every segment and eager steps keep one height.
+        assert choose_shrink_config(**common).block_m_long == 0
+        assert choose_shrink_config(**{**common, "num_segments": 5, "max_seg_len": 110}).block_m_long == 0
+    with launch_shapes_set("graph_few_shrink_long=16,graph_few_shrink_m=64"):
+        assert choose_shrink_config(**common, **few).block_m_long == 0  # the short tiles are already that tall
+
+
+@pytest.mark.parametrize("form", ["segments", "grouped"])
+@pytest.mark.parametrize("n_split", [1, 3])
+def test_shrink_segments_of_both_tile_heights_in_one_launch(form, n_split):
+    # Runs of 21, 3, 2, 4, 1 and 2 tokens ("segments") or a decode batch grouped by adapter: parts of more than
+    # 2 tokens go through 64-row tiles, the rest through 16-row ones, in one launch of two shared programs.
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=41)
+    gen = torch.Generator().manual_seed(42)
+    token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
+    lengths = torch.diff(kwargs["seg_start"]).tolist()
+    assert any(n > 2 for n in lengths) and any(0 < n <= 2 for n in lengths), lengths  # both heights are used
+    chunk = 16 if form == "segments" else 0
+    config = ShrinkConfig(block_r=16, block_k=16, n_split=n_split, block_m=16, chunk_tokens=chunk,
+                          segment_programs=2, block_m_long=GRAPH_FEW_SHRINK_LONG_M, long_from=2)
+    run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=41, config=config)
 
 
 def test_a_prefill_of_few_long_prompts_reads_its_inputs_in_narrower_tiles():

@@ -116,11 +116,12 @@ def _shrink_segment_kernel(
     items_ptr, stride_items, slots_ptr, stride_slots, ranks_ptr, a_off_ptr,
     out_ptr, stride_og, stride_ot,
     num_tokens, fan_in, W, n_chunks, max_rank, k_per_split, n_split, rows_p, chunk_tokens, n_r_tiles,
-    num_segments, seg_programs,
+    num_segments, seg_programs, long_from,
     M0, M1, M2,
     NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
     HAS_LIVE: tl.constexpr, SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M_LONG: tl.constexpr,
 ):
     pid = tl.program_id(2)
     split = pid % n_split
@@ -136,12 +137,33 @@ def _shrink_segment_kernel(
         n_seg = num_segments
         if HAS_LIVE:
             n_seg = tl.load(live_ptr)
+        part = tl.program_id(1)
         for s in range(tl.program_id(0), n_seg, seg_programs):
-            _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
-                            slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-                            num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, tl.program_id(1), split, g,
-                            m, r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
-                            HAS_ORDER, PRECISION)
+            # Constexpr branches: a launch of one tile height compiles that height alone.
+            if BLOCK_M_LONG > 0:
+                # The part of the segment this program takes, read on the device: a graph's segment lengths
+                # change from replay to replay, and a long one read in BLOCK_M-row tiles reads the adapter's
+                # rows once a tile.
+                lo = tl.load(seg_start_ptr + s) + part * chunk_tokens
+                hi = tl.minimum(tl.load(seg_start_ptr + s + 1), lo + chunk_tokens)
+                if hi - lo > long_from:
+                    _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+                                    slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+                                    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, part, split, g, m,
+                                    r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M_LONG, BLOCK_R, BLOCK_K, ALIGNED, EVEN,
+                                    SPLIT, HAS_ORDER, PRECISION)
+                else:
+                    _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+                                    slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+                                    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, part, split, g, m,
+                                    r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN,
+                                    SPLIT, HAS_ORDER, PRECISION)
+            else:
+                _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+                                slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+                                num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, part, split, g, m,
+                                r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN,
+                                SPLIT, HAS_ORDER, PRECISION)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, tl.program_id(0), tl.program_id(1), HAS_ITEMS)
         _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
@@ -255,6 +277,11 @@ GRAPH_SHRINK_MIN_SPLIT = 4
 # the four groups took 170 against 243 µs a layer on the H200 (docs/benchmarks.md, 2026-12-04 19:22). 16
 # until steps of up to 32 adapters with short segments are measured too.
 GRAPH_FEW_SHRINK_BLOCK_M = 16
+# With kernel_shapes' graph_few_shrink_long=N, a program of those graphs takes a segment of more than N tokens
+# in tiles of this many rows and a shorter one in GRAPH_FEW_SHRINK_BLOCK_M's: one graph serves steps of 5
+# adapters (~100 tokens a segment at batch 512) and of 32 (~16). On an H100 (docs/benchmarks.md, 2026-12-05
+# 13:35) 64-row tiles saved up to 30% of the four groups' time at 5 and 12 adapters and lost 12-14% at 32.
+GRAPH_FEW_SHRINK_LONG_M = 64
 
 
 @dataclass(frozen=True)
@@ -265,6 +292,8 @@ class ShrinkConfig:
     block_k: int
     n_split: int
     block_m: int = 16  # segment form only
+    block_m_long: int = 0  # segment form, shared out: token rows of a tile for parts of more than long_from tokens
+    long_from: int = 0
     chunk_tokens: int = 0  # segment form: tokens per program (0 = whole segment)
     segment_programs: int = 0  # segment form: programs that share the segments out (0 = one per segment)
     num_warps: int = 4
@@ -295,7 +324,7 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     r_tiles = cdiv(max(max_rank, 1), block_r)
     target = 8 * num_sms(device)
     shapes = launch_shapes()
-    block_m, chunk = 16, 0
+    block_m, chunk, block_m_long, long_from = 16, 0, 0, 0
     if segmented:
         n_units = planned_segments(num_segments if num_segments is not None else num_tokens, live_segments,
                                    segment_programs)
@@ -323,6 +352,8 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
         elif few_adapter_graph(max_seg_len, live_segments, segment_programs):
             block_m = shapes.graph_few_shrink_m or GRAPH_FEW_SHRINK_BLOCK_M
             chunk = shapes.graph_few_chunk  # 0: a program walks each of its segments whole
+            if shapes.graph_few_shrink_long and GRAPH_FEW_SHRINK_LONG_M > block_m:
+                block_m_long, long_from = GRAPH_FEW_SHRINK_LONG_M, shapes.graph_few_shrink_long
     else:
         n_units = num_tokens
     base = max(1, n_units * num_groups * r_tiles)
@@ -335,7 +366,8 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     n_split = max(1, min(max(cdiv(target, base), least), cdiv(fan_in, block_k), 64))
     # The segment form's loads feed tl.dot and are software-pipelined; three stages measured faster.
     return ShrinkConfig(block_r=block_r, block_k=block_k, n_split=n_split, block_m=block_m, chunk_tokens=chunk,
-                        segment_programs=segment_programs if segmented else 0, num_stages=3 if segmented else 2)
+                        segment_programs=segment_programs if segmented else 0, num_stages=3 if segmented else 2,
+                        block_m_long=block_m_long, long_from=long_from)
 
 
 def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
@@ -415,6 +447,8 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
         seg = segment_form(cfg, num_tokens, max_seg_len, seg_start, seg_adapter, token_order, num_live, chunk_items,
                            x.dtype, device)
         common.update(seg.constexprs)
+        # Per-segment tile heights only where programs walk segments they share out (a few-adapter graph's).
+        common["BLOCK_M_LONG"] = cfg.block_m_long if seg.constexprs["SHARED"] else 0
         main_fn, main_grid = _shrink_segment_kernel, (seg.axis, seg.chunks, num_groups * r_tiles * n_split)
     else:
         main_fn, main_grid = _shrink_token_kernel, (num_tokens, num_groups, r_tiles * n_split)
@@ -444,7 +478,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
                 tables.slots, tables.slots.stride(0), tables.ranks, tables.a_off,
                 dst, out.stride(0), out.stride(1),
                 num_tokens, fan_in, width, n_chunks, max_rank, k_per_split, n_split, rows_p, seg.chunk, r_tiles,
-                num_segments, seg.programs, m0, m1, m2, **common)
+                num_segments, seg.programs, cfg.long_from, m0, m1, m2, **common)
         if split:
             finalize(
                 dst, out, out.stride(0), out.stride(1), token_adapter, tables.ranks,
