@@ -112,11 +112,13 @@ def test_expand_prefill_token_tiles_wider_than_segments():
     run_case(ALIGNED_CFG, torch.float16, "segments", GROUPS["gate_up"], seed=19, config=config)
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("form,with_live", [("grouped", True), ("grouped", False), ("segments", False)])
-def test_expand_segments_shared_out_among_fewer_programs(form, with_live):
-    # Two programs take every segment between them, stopping at the count on the device when there is one.
+def test_expand_segments_shared_out_among_fewer_programs(form, with_live, block_m):
+    # Two programs take every segment between them, stopping at the count on the device when there is one;
+    # 64-row tiles (graph_live_segments' "em64" in a few-adapter graph) are mostly masked here.
     chunk = 16 if form == "segments" else 0
-    config = ExpandConfig(block_r=16, block_n=16, chunk_tokens=chunk, segment_programs=2)
+    config = ExpandConfig(block_r=16, block_n=16, block_m=block_m, chunk_tokens=chunk, segment_programs=2)
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=29, config=config, with_live=with_live)
 
 
