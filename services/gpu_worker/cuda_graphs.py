@@ -131,6 +131,12 @@ class DecodeGraphs:
         self.inputs = self.padding[:, None].repeat(1, size).to(device)
         self.q_start = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.slot_table = torch.zeros(size, page_table.max_len, dtype=torch.int32, device=device)
+        # One logits buffer written by every graph. A graph's own output would stay allocated in the shared
+        # memory pool for the graph's lifetime: [batch, vocab] fp32 each (262 MB at batch 512 over Llama-3's
+        # 128k vocabulary), several GB over a warm-up's graphs, which ran an 80 GB card out of memory.
+        # Sharing it is safe as sharing one graph is: a step's logits are read before the next step's replay
+        # unless every row is greedy, whose argmax is queued before it (lookahead.py).
+        self.logits = torch.empty(size, model.cfg.vocab_size, dtype=torch.float32, device=device)
         self.mempool = torch.cuda.graph_pool_handle()
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -154,7 +160,7 @@ class DecodeGraphs:
 
     def _forward(self, batch: ForwardBatch, size: int) -> torch.Tensor:
         torch.index_select(self.page_table.table, 0, self.inputs[ROW, :size], out=self.slot_table[:size])
-        return self.model.forward(batch, self.pool)
+        return self.model.forward(batch, self.pool, logits_out=self.logits[:size])
 
     def _capture(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]
                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -334,7 +334,8 @@ class Engine:
                 out = RequestOutput(seq.request_id, [token], prompt_tokens=seq.prompt_len,
                                     completion_tokens=seq.num_output)
                 if seq.req.return_logits:
-                    out.logits = [flight.logits[row].cpu()]
+                    # A copy even on the CPU: the decode graphs' logits buffer is written again by the next step.
+                    out.logits = [flight.logits[row].to("cpu", copy=True)]
                 reason = self._stop_reason(seq, token)
                 if reason:
                     if seq in carried:

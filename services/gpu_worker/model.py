@@ -55,8 +55,9 @@ class LlamaModel:
         self.ops.lora_expand(y, pool.v(layer), lora.token_adapter, lora.tables, modules, out, out_dims, **hints)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: UnifiedPool) -> torch.Tensor:
-        """Logits `[N, vocab]` (fp32) for the tokens in `batch.logits_index`."""
+    def forward(self, batch: ForwardBatch, pool: UnifiedPool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[N, vocab]` (fp32) for the tokens in `batch.logits_index`, written into `logits_out` when given
+        (the decode graphs' one output buffer: see cuda_graphs.py)."""
         cfg, ops, lora, eps = self.cfg, self.ops, batch.lora, self.cfg.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
         if lora is not None and hasattr(ops, "prepare_lora"):
@@ -85,4 +86,7 @@ class LlamaModel:
                 h, x = ops.add_rms_norm(d, h, layers[i + 1].input_norm, eps)
         idx = batch.logits_index
         _, x = ops.add_rms_norm(d[idx], h[idx], self.w.final_norm, eps)
-        return F.linear(x, self.w.lm_head).float()
+        logits = F.linear(x, self.w.lm_head)
+        if logits_out is None:
+            return logits.float()
+        return logits_out.copy_(logits)  # the same cast as .float(), into a buffer that outlives this forward
