@@ -22,14 +22,17 @@ Words, comma-separated:
   graph_few_shrink_long=N
                         in those graphs, a LoRA shrink program takes a segment of more than N tokens in 64-row
                         tiles and a shorter one in graph_few_shrink_m's, choosing on the device per segment
-                        (default off: 64 rows saved up to 30% at 5-12 adapters and lost 12-14% at 32 on an H100)
+                        (default 16: on an H100 the engine's decode step took 0.94 of its time with one
+                        height at 5 adapters, 0.96 at 12 and 1.01 at 32; docs/benchmarks.md, 2026-12-05
+                        16:43); no_graph_few_shrink_long keeps one height for every segment
   graph_few_chunk=N     in those graphs, each LoRA shrink and expand program takes N-token chunks of the segments
                         it walks, so a long segment spreads over several programs (default: whole segments)
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
                         2026-12-04 19:22)
-  no_<word>             turns off a word that is on by default, as no_split_mixed
+  no_<word>             turns off a word that is on by default, as no_split_mixed, or a number that is
+                        (no_graph_few_shrink_long)
 
 heads_first and split_mixed are on because the H200 measured them faster (docs/benchmarks.md, 2026-12-04 13:11):
 decode attention 0.5-3.9% in all twelve served shapes, a mixed step's attention in 0.55-0.64 of one launch's time.
@@ -50,7 +53,7 @@ class LaunchShapes:
     graph_shrink_split: int = 0  # 0: the launcher's choice
     graph_expand_tiles: int = 0
     graph_few_shrink_m: int = 0
-    graph_few_shrink_long: int = 0  # 0: one tile height for every segment
+    graph_few_shrink_long: int = 16  # 0 (no_graph_few_shrink_long): one tile height for every segment
     graph_few_chunk: int = 0
     expand_rank_whole: bool = False
 
@@ -63,12 +66,17 @@ class LaunchShapes:
                 continue
             name, eq, value = word.partition("=")
             on = True
-            if name.startswith("no_") and name[3:] in names and names[name[3:]].type in ("bool", bool):
+            off = names.get(name[3:]) if name.startswith("no_") else None
+            if off is not None and (off.type in ("bool", bool) or off.default):
                 name, on = name[3:], False
             field = names.get(name)
             if field is None:
                 raise ValueError(f"kernel_shapes: unknown word {name!r}; known: {', '.join(names)}")
-            if field.type in ("int", int):
+            if not on and eq:
+                raise ValueError(f"kernel_shapes: no_{name} takes no value, got {word!r}")
+            if field.type in ("int", int) and not on:
+                values[name] = 0  # a number on by default, turned off
+            elif field.type in ("int", int):
                 if not eq or not value.isdigit() or int(value) <= 0 or int(value) & (int(value) - 1):
                     raise ValueError(f"kernel_shapes: {name} needs a power of two, as {name}=64; got {word!r}")
                 values[name] = int(value)

@@ -28,6 +28,12 @@ def test_the_shapes_the_h200_favoured_are_on_by_default_and_no_words_turn_them_o
     assert LaunchShapes.parse("no_expand_cols_first,expand_cols_first").expand_cols_first
 
 
+def test_the_few_adapter_shrink_picks_its_tile_height_per_segment_by_default_and_no_word_keeps_one():
+    assert LaunchShapes().graph_few_shrink_long == 16
+    assert LaunchShapes.parse("no_graph_few_shrink_long").graph_few_shrink_long == 0
+    assert LaunchShapes.parse("no_graph_few_shrink_long,graph_few_shrink_long=32").graph_few_shrink_long == 32
+
+
 @pytest.mark.parametrize("text, message", [
     ("heads_last", "unknown word 'heads_last'"),
     ("attention_block_n=48", "attention_block_n needs a power of two"),
@@ -42,6 +48,8 @@ def test_the_shapes_the_h200_favoured_are_on_by_default_and_no_words_turn_them_o
     ("split_mixed=yes", "split_mixed takes no value"),
     ("no_split_mixed=yes", "split_mixed takes no value"),
     ("no_attention_block_n=64", "unknown word 'no_attention_block_n'"),
+    ("no_attention_block_n", "unknown word 'no_attention_block_n'"),  # a number off by default has no no_ word
+    ("no_graph_few_shrink_long=16", "graph_few_shrink_long takes no value"),
 ])
 def test_a_wrong_word_is_refused_by_name(text, message):
     with pytest.raises(ValueError, match=message):

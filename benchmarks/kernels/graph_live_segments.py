@@ -43,9 +43,10 @@ from services.gpu_worker.kernels.lora_shrink import GRAPH_FEW_SHRINK_LONG_M, cho
 # walked by one program, "rw" the whole rank in one dot (with r64: every rank up to 64), the program's column
 # tiles its inner loop. Shrink: "skN" N-input tiles, "sxN" the inputs split N ways, "srN" N rank columns a dot,
 # "swN" N warps, "ssN" N pipeline stages, "smN" N-token tiles, "slN" segments of more than N tokens in
-# GRAPH_FEW_SHRINK_LONG_M-token tiles (programs sharing segments out only). "scN" and "ecN" give shrink's and expand's programs
-# N tokens of a segment each (its chunks spread over the grid's second axis; with shared programs, each program
-# takes the same chunk of every segment it walks).
+# GRAPH_FEW_SHRINK_LONG_M-token tiles (programs sharing segments out only; by default from 16, "sl0": one
+# height). "scN" and "ecN" give shrink's and expand's programs N tokens of a segment each (its chunks spread
+# over the grid's second axis; with shared programs, each program takes the same chunk of every segment it
+# walks).
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
 # the inputs in other splits and orders, so bf16 results differ by rounding only.
 RESULT_TOLERANCE = 2e-2
@@ -102,9 +103,10 @@ class Plan:
                 fields["expand"] = fields.get("expand", ()) + (("block_m", int(word[2:])),)
             elif word[:2] == "ec" and word[2:].isdigit():  # expand's tokens a program (a segment's chunks)
                 fields["expand"] = fields.get("expand", ()) + (("chunk_tokens", int(word[2:])),)
-            elif word[:2] == "sl" and word[2:].isdigit():  # shrink's tile height chosen per segment
-                fields["shrink"] = fields.get("shrink", ()) + (("block_m_long", GRAPH_FEW_SHRINK_LONG_M),
-                                                               ("long_from", int(word[2:])))
+            elif word[:2] == "sl" and word[2:].isdigit():  # shrink's tile height chosen per segment; sl0: one
+                long_from = int(word[2:])
+                fields["shrink"] = fields.get("shrink", ()) + (
+                    ("block_m_long", GRAPH_FEW_SHRINK_LONG_M if long_from else 0), ("long_from", long_from))
             elif word[:2] in SHRINK_WORDS and word[2:].isdigit():
                 fields["shrink"] = fields.get("shrink", ()) + ((SHRINK_WORDS[word[:2]], int(word[2:])),)
             elif word[:1] in EXPAND_WORDS and word[1:].isdigit():
@@ -263,6 +265,7 @@ def main() -> None:
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
         plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2", "bound live 16 p2 sl2",
+                 "bound live 16 p2 sl0",
                  "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16", "exact")
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8

@@ -66,7 +66,7 @@ token_adapter = (torch.arange(512, dtype=torch.int32) * 7) % 4
 shared = {**kernels.group_tokens_by_adapter(token_adapter, 100, count_live=True).kwargs(),
           "live_segments": 32, "segment_programs": 32}
 x = torch.zeros(512, fan_in, dtype=torch.bfloat16)
-for words in ("", "graph_few_shrink_long=16"):
+for words in ("no_graph_few_shrink_long", ""):
     set_launch_shapes(LaunchShapes.parse(words))
     kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, 64, **shared)
 for r in cr.RESULTS:

@@ -17,7 +17,7 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
-             "bound live 16 p2 sl2", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16", "exact")
+             "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16", "exact")
     assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [(d, plan) for d in (1, 3) for plan in plans]
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
@@ -48,9 +48,12 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
         chunked, whole = by_plan[(3, "bound live 16 p2 sc2 ec2")][kernel], by_plan[(3, "bound live 16 p2")][kernel]
         assert {k: v for k, v in chunked.items() if v != whole[k]} == {"chunk_tokens": 2}
     # Segments of more than 2 tokens in 64-row tiles, the rest in 16-row ones: shrink's launch alone changes.
-    tall, short = by_plan[(3, "bound live 16 p2 sl2")], by_plan[(3, "bound live 16 p2")]
+    # Shared-out programs choose per segment from 16 tokens by default; sl0 keeps one height.
+    tall, short = by_plan[(3, "bound live 16 p2 sl2")], by_plan[(3, "bound live 16 p2 sl0")]
     assert {k: v for k, v in tall["shrink"].items() if v != short["shrink"][k]} == {"block_m_long": 64, "long_from": 2}
     assert tall["expand"] == short["expand"]
+    default = by_plan[(3, "bound live 16 p2")]["shrink"]
+    assert (default["block_m_long"], default["long_from"]) == (64, 16)
     assert all(r["adapter_bytes"] > 0 for r in rows)
     # Every plan gives the exact plan's LoRA output (fp32 here: the same up to summation order).
     assert all(r["max_rel_diff_vs_exact"] < 1e-5 for r in rows), [r["max_rel_diff_vs_exact"] for r in rows]

@@ -122,15 +122,17 @@ def test_graph_few_shrink_long_picks_the_tile_height_per_segment_in_few_adapter_
     common = dict(num_tokens=512, num_groups=2, fan_in=4096, width=4096, max_rank=64, device=torch.device("cpu"),
                   segmented=True, num_segments=512)
     few = dict(live_segments=32, segment_programs=32)
-    off = choose_shrink_config(**common, **few)
-    assert (off.block_m, off.block_m_long, off.long_from) == (GRAPH_FEW_SHRINK_BLOCK_M, 0, 0)
-    with launch_shapes_set("graph_few_shrink_long=16"):
-        on = choose_shrink_config(**common, **few)
-        assert (on.block_m, on.block_m_long, on.long_from) == (GRAPH_FEW_SHRINK_BLOCK_M, GRAPH_FEW_SHRINK_LONG_M, 16)
-        # Graphs planned for every segment and eager steps keep one height.
-        assert choose_shrink_config(**common).block_m_long == 0
-        assert choose_shrink_config(**{**common, "num_segments": 5, "max_seg_len": 110}).block_m_long == 0
-    with launch_shapes_set("graph_few_shrink_long=16,graph_few_shrink_m=64"):
+    on = choose_shrink_config(**common, **few)  # on by default, from 16 tokens
+    assert (on.block_m, on.block_m_long, on.long_from) == (GRAPH_FEW_SHRINK_BLOCK_M, GRAPH_FEW_SHRINK_LONG_M, 16)
+    # Graphs planned for every segment and eager steps keep one height.
+    assert choose_shrink_config(**common).block_m_long == 0
+    assert choose_shrink_config(**{**common, "num_segments": 5, "max_seg_len": 110}).block_m_long == 0
+    with launch_shapes_set("no_graph_few_shrink_long"):
+        off = choose_shrink_config(**common, **few)
+        assert (off.block_m, off.block_m_long, off.long_from) == (GRAPH_FEW_SHRINK_BLOCK_M, 0, 0)
+    with launch_shapes_set("graph_few_shrink_long=32"):
+        assert choose_shrink_config(**common, **few).long_from == 32
+    with launch_shapes_set("graph_few_shrink_m=64"):
         assert choose_shrink_config(**common, **few).block_m_long == 0  # the short tiles are already that tall
 
 

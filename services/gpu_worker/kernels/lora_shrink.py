@@ -277,10 +277,12 @@ GRAPH_SHRINK_MIN_SPLIT = 4
 # the four groups took 170 against 243 µs a layer on the H200 (docs/benchmarks.md, 2026-12-04 19:22). 16
 # until steps of up to 32 adapters with short segments are measured too.
 GRAPH_FEW_SHRINK_BLOCK_M = 16
-# With kernel_shapes' graph_few_shrink_long=N, a program of those graphs takes a segment of more than N tokens
-# in tiles of this many rows and a shorter one in GRAPH_FEW_SHRINK_BLOCK_M's: one graph serves steps of 5
-# adapters (~100 tokens a segment at batch 512) and of 32 (~16). On an H100 (docs/benchmarks.md, 2026-12-05
-# 13:35) 64-row tiles saved up to 30% of the four groups' time at 5 and 12 adapters and lost 12-14% at 32.
+# A program of those graphs takes a segment of more than kernel_shapes' graph_few_shrink_long (default 16)
+# tokens in tiles of this many rows and a shorter one in GRAPH_FEW_SHRINK_BLOCK_M's: one graph serves steps of
+# 5 adapters (~100 tokens a segment at batch 512) and of 32 (~16). One height for all was 64 rows' loss at 32
+# adapters (12-14%) or 16 rows' at 5 (up to 30%). On an H100 (docs/benchmarks.md, 2026-12-05 16:43) the four
+# groups took 1.03x the best plan's time on average against 1.18x with 16 rows alone, and the engine's decode
+# step 0.94x at 5 adapters, 0.96x at 12, 1.01x at 32.
 GRAPH_FEW_SHRINK_LONG_M = 64
 
 
