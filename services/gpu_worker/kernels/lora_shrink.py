@@ -139,50 +139,32 @@ def _shrink_segment_kernel(
             n_seg = tl.load(live_ptr)
         part = tl.program_id(1)
         for s in range(tl.program_id(0), n_seg, seg_programs):
-            # Constexpr branches: a launch of one tile height compiles that height alone.
-            if BLOCK_M_LONG > 0:
-                # The part of the segment this program takes, read on the device: a graph's segment lengths
-                # change from replay to replay, and a long one read in BLOCK_M-row tiles reads the adapter's
-                # rows once a tile.
-                lo = tl.load(seg_start_ptr + s) + part * chunk_tokens
-                hi = tl.minimum(tl.load(seg_start_ptr + s + 1), lo + chunk_tokens)
-                if hi - lo > long_from:
-                    _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
-                                    slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-                                    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, part, split, g, m,
-                                    r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M_LONG, BLOCK_R, BLOCK_K, ALIGNED, EVEN,
-                                    SPLIT, HAS_ORDER, PRECISION)
-                else:
-                    _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
-                                    slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-                                    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, part, split, g, m,
-                                    r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN,
-                                    SPLIT, HAS_ORDER, PRECISION)
-            else:
-                _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
-                                slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-                                num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, part, split, g, m,
-                                r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN,
-                                SPLIT, HAS_ORDER, PRECISION)
+            _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+                            slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+                            num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, part, split, g, m,
+                            r_tile, k_lo, k_hi, long_from, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN,
+                            SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, tl.program_id(0), tl.program_id(1), HAS_ITEMS)
         _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
                         slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
                         num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, chunk, split, g, m,
-                        r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER,
-                        PRECISION)
+                        r_tile, k_lo, k_hi, long_from, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
+                        HAS_ORDER, PRECISION, 0)
 
 
 @triton.jit
 def _shrink_segment(
     x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
     slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, chunk, split, g, m, r_tile, k_lo, k_hi,
+    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, chunk, split, g, m, r_tile, k_lo, k_hi, long_from,
     NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M_LONG: tl.constexpr,
 ):
-    """Segment s's token chunk `chunk`, for one program's (module, rank tile, input split)."""
+    """Segment s's token chunk `chunk`, for one program's (module, rank tile, input split). With BLOCK_M_LONG, a
+    chunk of more than `long_from` tokens goes in BLOCK_M_LONG-row tiles: a graph's segment lengths change from
+    replay to replay, and a long one read in BLOCK_M-row tiles reads the adapter's rows once a tile."""
     a = tl.load(seg_adapter_ptr + s)
     a_safe = tl.maximum(a, 0)
     rank = tl.load(ranks_ptr + a_safe * 7 + m)
@@ -192,6 +174,35 @@ def _shrink_segment(
     seg_end = tl.load(seg_start_ptr + s + 1)
     p_lo = tl.load(seg_start_ptr + s) + chunk * chunk_tokens
     p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
+    # Constexpr branches (a Python bool would become a tensor): a launch of one tile height compiles that
+    # height alone.
+    if BLOCK_M_LONG > 0:
+        if p_hi - p_lo > long_from:
+            _shrink_rows(x_ptr, stride_xt, buf_ptr, stride_buf, order_ptr, list_ptr, first, rank, out_ptr,
+                         stride_og, stride_ot, num_tokens, W, n_chunks, max_rank, rows_p, p_lo, p_hi, split, g,
+                         r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M_LONG, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
+                         HAS_ORDER, PRECISION)
+        else:
+            _shrink_rows(x_ptr, stride_xt, buf_ptr, stride_buf, order_ptr, list_ptr, first, rank, out_ptr,
+                         stride_og, stride_ot, num_tokens, W, n_chunks, max_rank, rows_p, p_lo, p_hi, split, g,
+                         r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
+                         HAS_ORDER, PRECISION)
+    else:
+        _shrink_rows(x_ptr, stride_xt, buf_ptr, stride_buf, order_ptr, list_ptr, first, rank, out_ptr,
+                     stride_og, stride_ot, num_tokens, W, n_chunks, max_rank, rows_p, p_lo, p_hi, split, g,
+                     r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
+                     HAS_ORDER, PRECISION)
+
+
+@triton.jit
+def _shrink_rows(
+    x_ptr, stride_xt, buf_ptr, stride_buf, order_ptr, list_ptr, first, rank, out_ptr, stride_og, stride_ot,
+    num_tokens, W, n_chunks, max_rank, rows_p, p_lo, p_hi, split, g, r_tile, k_lo, k_hi,
+    NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Positions p_lo..p_hi of the (ordered) batch, one adapter's, in BLOCK_M-row tiles."""
     rows = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < rank
     for p0 in range(p_lo, p_hi, BLOCK_M):
