@@ -117,6 +117,11 @@ class EngineConfig:
             raise ValueError(f"admission_wait_s must be a number of seconds >= 0, got {self.admission_wait_s!r}")
         if isinstance(self.kv_slot_run, bool) or not isinstance(self.kv_slot_run, int) or not 1 <= self.kv_slot_run <= 256:
             raise ValueError(f"kv_slot_run must be an integer from 1 to 256, got {self.kv_slot_run!r}")
+        if isinstance(self.pool_memory_fraction, bool) or not isinstance(self.pool_memory_fraction, (int, float)) \
+                or not 0 < self.pool_memory_fraction < 1:
+            # The rest of the free memory holds the decode graphs and a step's activations: at 1 nothing would.
+            raise ValueError(f"pool_memory_fraction must be a number between 0 and 1 (exclusive), got "
+                             f"{self.pool_memory_fraction!r}")
         if not isinstance(self.kernel_shapes, str):
             raise ValueError(f"kernel_shapes must be a comma-separated string, got {self.kernel_shapes!r}")
         LaunchShapes.parse(self.kernel_shapes)
