@@ -45,7 +45,8 @@ SERIES_KEYS = GROUP_KEYS + ("batch", "variant", "card")
 # favoured, benchmarks/kernels/pick_shapes.py). A line run with one is a variant of its point: it neither
 # replaces the point's line nor counts for the targets, and the figures draw it as a line of its own.
 VARIANT_SETTINGS = ("worker.admission_wait_s", "worker.overlap_steps", "worker.overlap_admission",
-                    "worker.direct_launch", "worker.kernel_shapes", "worker.kv_slot_run")
+                    "worker.direct_launch", "worker.kernel_shapes", "worker.kv_slot_run",
+                    "worker.pool_memory_fraction")
 DEFAULT_VARIANT = "as shipped"  # the label of the lines run without any of them, where a figure holds both
 
 

@@ -319,3 +319,6 @@ def test_a_variant_names_every_setting_it_tried_and_ignores_the_others():
     shaped = ("python3 -m shared.cli up --set worker.kernel_shapes=attention_block_n=64,split_mixed "
               "--set worker.kv_slot_run=16 --set worker.max_running_requests=384")
     assert variant_of({"stack_command": shaped}) == "kernel_shapes=attention_block_n=64,split_mixed kv_slot_run=16"
+    # A larger pool is a variant too, so its line counts for no target until it is the default.
+    pooled = "python3 -m shared.cli up --set worker.pool_memory_fraction=0.92 --set worker.max_running_requests=384"
+    assert variant_of({"stack_command": pooled}) == "pool_memory_fraction=0.92"
