@@ -136,8 +136,20 @@ def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0, adapters: list[s
     graphs = capture_graphs(engine)
     seconds = time.monotonic() - started
     log.info("worker.warmed_up", seconds=round(seconds, 2), requests=sum(len(b) for b in batches),
-             adapters=len(adapters), graphs=graphs)
+             adapters=len(adapters), graphs=graphs, **gpu_memory(engine.device))
     return seconds
+
+
+def gpu_memory(device) -> dict[str, float]:
+    """GB of the GPU free and held by this process once the pool, the weights and the graphs are in place:
+    what traffic's steps have left (an 80 GB card once ran out during serving; docs/benchmarks.md,
+    2026-12-05 16:43). Empty off CUDA."""
+    if getattr(device, "type", device) != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"gpu_free_gb": round(free / 2**30, 2), "gpu_total_gb": round(total / 2**30, 2),
+            "gpu_allocated_gb": round(torch.cuda.memory_allocated(device) / 2**30, 2),
+            "gpu_reserved_gb": round(torch.cuda.memory_reserved(device) / 2**30, 2)}
 
 
 def capture_graphs(engine) -> int:

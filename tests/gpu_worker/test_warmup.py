@@ -55,3 +55,16 @@ def test_warm_up_runs_each_adapter_alone_then_mixed_then_a_round_and_leaves_the_
     assert any(ids == round_ids for _, ids in steps)  # the round was admitted and prefilled together
     assert engine.adapters.names == [] and engine.pool.allocator.num_used == engine.reserved_slots
     assert not engine.has_unfinished()
+
+
+def test_warm_up_reports_the_gpu_memory_left_for_traffic():
+    from services.gpu_worker.warmup import gpu_memory
+
+    assert gpu_memory(torch.device("cpu")) == {}  # no GPU: nothing to report, nothing invented
+    if not torch.cuda.is_available():
+        return
+    held = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 0.25 GB more, allocated and reserved
+    got = gpu_memory(torch.device("cuda"))
+    assert 0 < got["gpu_free_gb"] < got["gpu_total_gb"]
+    assert 0.25 <= got["gpu_allocated_gb"] <= got["gpu_reserved_gb"] < got["gpu_total_gb"]
+    del held
