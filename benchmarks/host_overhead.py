@@ -46,7 +46,7 @@ def main() -> int:
             engine.step()
         torch.cuda.synchronize()
         step_ms = (time.perf_counter() - t0) / 20 * 1e3
-        graph, _ = next(v for k, v in engine.graphs.graphs.items() if k[0] >= batch and k[1] == 0)  # (batch, rank, context) bucket
+        graph = next(v for k, v in engine.graphs.graphs.items() if k[0] >= batch and k[1] == 0)  # (batch, rank, context) bucket
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):

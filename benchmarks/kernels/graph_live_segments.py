@@ -264,9 +264,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
-        plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2", "bound live 16 p2 sl2",
-                 "bound live 16 p2 sl0",
-                 "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16", "exact")
+        plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
+                 "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16", "exact")
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
         plans = tuple(args.plan) or (PLANS if args.plans == "graph" else SHAPE_PLANS)

@@ -138,7 +138,7 @@ class DecodeGraphs:
         # unless every row is greedy, whose argmax is queued before it (lookahead.py).
         self.logits = torch.empty(size, model.cfg.vocab_size, dtype=torch.float32, device=device)
         self.mempool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
 
     def supports(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_buckets[-1]
@@ -162,8 +162,7 @@ class DecodeGraphs:
         torch.index_select(self.page_table.table, 0, self.inputs[ROW, :size], out=self.slot_table[:size])
         return self.model.forward(batch, self.pool, logits_out=self.logits[:size])
 
-    def _capture(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]
-                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]) -> torch.cuda.CUDAGraph:
         self.inputs[:, :size] = self.padding[:, None].to(self.inputs.device)
         batch = self._batch(size, rank, ctx, few, groups)
         side = torch.cuda.Stream(self.pool.device)
@@ -174,8 +173,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits = self._forward(batch, size)
-        return graph, logits
+            self._forward(batch, size)  # into self.logits
+        return graph
 
     def context_buckets(self, max_context: int) -> tuple[int, ...]:
         """The context buckets a decode step of contexts up to `max_context` can use, smallest first."""
@@ -200,7 +199,7 @@ class DecodeGraphs:
                 done += 1
         return done
 
-    def _graph(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]):
+    def _graph(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]) -> torch.cuda.CUDAGraph:
         key = (size, rank, ctx, few, groups)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
@@ -220,7 +219,7 @@ class DecodeGraphs:
         few = bool(rank and self.few_adapters) and busy_segments(adapter_ids, size) <= self.few_adapters
         groups = lora_groups(ranks) if rank else NO_GROUPS
         ctx = self._context_bucket(max(s.num_computed + 1 for s in seqs))
-        graph, logits = self._graph(size, rank, ctx, few, groups)
+        graph = self._graph(size, rank, ctx, few, groups)
         rows = [[s.tokens[-1] for s in seqs], [s.num_computed for s in seqs], [s.slots[s.num_computed] for s in seqs],
                 [s.num_computed + 1 for s in seqs], [-1 if a is None else a for a in adapter_ids],
                 [s.row for s in seqs]]
@@ -240,4 +239,4 @@ class DecodeGraphs:
             ids, rows = device_tokens
             self.inputs[IDS, :rows.shape[0]].copy_(ids.index_select(0, rows))
         graph.replay()
-        return logits[:n]
+        return self.logits[:n]

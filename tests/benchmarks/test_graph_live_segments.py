@@ -17,7 +17,8 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
-             "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16", "exact")
+             "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2",
+             "exact live 16", "exact")
     assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [(d, plan) for d in (1, 3) for plan in plans]
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.

@@ -150,7 +150,7 @@ def _shrink_segment_kernel(
                         slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
                         num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, chunk, split, g, m,
                         r_tile, k_lo, k_hi, long_from, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
-                        HAS_ORDER, PRECISION, 0)
+                        HAS_ORDER, PRECISION, BLOCK_M_LONG)
 
 
 @triton.jit
