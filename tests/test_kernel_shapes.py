@@ -18,6 +18,8 @@ def test_words_set_the_shapes_they_name():
     # heads_first and split_mixed are on by default: the words themselves show after a no_ word (the last wins).
     assert LaunchShapes.parse("no_heads_first,heads_first").heads_first
     assert LaunchShapes.parse("no_split_mixed,split_mixed").split_mixed
+    assert LaunchShapes.parse("graph_few_expand_deal").graph_few_expand_deal
+    assert not LaunchShapes().graph_few_expand_deal
 
 
 def test_the_shapes_the_h200_favoured_are_on_by_default_and_no_words_turn_them_off():

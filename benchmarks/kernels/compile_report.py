@@ -24,6 +24,8 @@ from triton.runtime import jit as triton_jit  # noqa: E402
 
 from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config, paged_kv  # noqa: E402
 from services.gpu_worker import kernels  # noqa: E402
+from services.gpu_worker.kernels.launch_shapes import set_launch_shapes  # noqa: E402
+from shared.kernel_shapes import LaunchShapes  # noqa: E402
 
 # The modules themselves: the package's names lora_expand and lora_shrink are the launcher functions.
 lora_expand, lora_shrink, paged_attention = (importlib.import_module(f"services.gpu_worker.kernels.{name}")
@@ -79,6 +81,12 @@ def launch_everything(dtype=torch.bfloat16) -> None:
                 if num_tokens == 512:  # the whole-rank expand (kernel_shapes expand_rank_whole), as a graph's
                     kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims,
                                         config=WHOLE_RANK, **grouped)
+                    # A few-adapter graph's expand with its token tiles dealt (kernel_shapes graph_few_expand_deal).
+                    set_launch_shapes(LaunchShapes.parse("graph_few_expand_deal"))
+                    try:
+                        kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, **shared)
+                    finally:
+                        set_launch_shapes(LaunchShapes())
             seg = dict(seg_start=torch.tensor([0, 700, 1024], dtype=torch.int32),
                        seg_adapter=torch.tensor([1, 3], dtype=torch.int32), max_seg_len=700)
             token_adapter = torch.tensor([1] * 700 + [3] * 324, dtype=torch.int32)

@@ -75,12 +75,43 @@ for r in cr.RESULTS:
 """
 
 
-def test_the_few_adapter_shrink_with_both_tile_heights_compiles_for_sm90_without_spills():
-    # A few-adapter graph's shrink (segments shared out among 32 programs), one tile height and two.
-    run = subprocess.run([sys.executable, "-c", LONG_TILES], cwd=REPO, env=compile_env(), capture_output=True,
+def compiled_rows(script: str) -> list[list[str]]:
+    """The script's printed rows (two launch constants, then registers, local memory and stack), each checked
+    for spills."""
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=compile_env(), capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     rows = [line.split() for line in run.stdout.splitlines()]
-    assert [(m, long) for m, long, *_ in rows] == [("16", "0"), ("16", "64")]
     for _, _, regs, local, stack in rows:
         assert (local, stack) == ("0", "0") and 0 < int(regs) <= 255
+    return rows
+
+
+def test_the_few_adapter_shrink_with_both_tile_heights_compiles_for_sm90_without_spills():
+    # A few-adapter graph's shrink (segments shared out among 32 programs), one tile height and two.
+    rows = compiled_rows(LONG_TILES)
+    assert [(m, long) for m, long, *_ in rows] == [("16", "0"), ("16", "64")]
+
+
+DEALT = PRELUDE + """
+from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
+from shared.kernel_shapes import LaunchShapes
+modules = GROUPS["gate_up"]
+fan_in, out_dims = group_dims(cfg, modules)
+token_adapter = (torch.arange(512, dtype=torch.int32) * 7) % 4
+shared = {**kernels.group_tokens_by_adapter(token_adapter, count_live=True).kwargs(),
+          "live_segments": 32, "segment_programs": 32}
+y = torch.zeros(len(modules), 512, 64, dtype=torch.bfloat16)
+out = torch.zeros(512, sum(out_dims), dtype=torch.bfloat16)
+for words in ("", "graph_few_expand_deal"):
+    set_launch_shapes(LaunchShapes.parse(words))
+    kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, **shared)
+for r in cr.RESULTS:
+    print(r["consts"]["DEAL"], r["consts"]["SEG_BLOCK"], r.get("REG"), r.get("LOCAL", 0), r.get("STACK", 0))
+"""
+
+
+def test_the_few_adapter_expand_with_its_tiles_dealt_compiles_for_sm90_without_spills():
+    # A few-adapter graph's expand (segments shared out among 32 programs), walking whole segments and dealt.
+    rows = compiled_rows(DEALT)
+    assert [(deal, block) for deal, block, *_ in rows] == [("False", "1"), ("True", "32")]

@@ -17,11 +17,11 @@ from .oracle import make_peft_adapter
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-def run(base, adapters, graphs: bool, few_adapters: int = 0):
+def run(base, adapters, graphs: bool, few_adapters: int = 0, kernel_shapes: str = ""):
     engine = Engine.from_model_dir(base, EngineConfig(device="cuda", num_slots=2048, max_lora_rank=32,
                                                       max_resident_adapters=4, cuda_graphs=graphs,
                                                       cuda_graph_max_batch=8, cuda_graph_few_adapters=few_adapters,
-                                                      cuda_graph_segment_programs=2))
+                                                      cuda_graph_segment_programs=2, kernel_shapes=kernel_shapes))
     for name, w in adapters.items():
         engine.register_adapter(name, w)
     names = [None, "r4", "r32"]
@@ -39,18 +39,22 @@ def run(base, adapters, graphs: bool, few_adapters: int = 0):
     return engine, tokens, logits
 
 
-# few_adapters 2: batches of the three (base, r4, r32) replay the every-segment plan, smaller ones the
-# few-adapter plan; 4: every LoRA step replays the few-adapter plan, 2 programs sharing 3 busy segments.
-@pytest.mark.parametrize("few_adapters", [0, 2, 4])
-def test_graph_replay_matches_eager(tmp_path, few_adapters):
-    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
+def adapters_of(base, tmp_path) -> dict:
     cfg = ModelConfig.from_dir(base)
-    adapters = {
+    return {
         "r4": load_adapter(make_peft_adapter(base, tmp_path / "r4", 1, r=4, lora_alpha=8,
                                              target_modules=["q_proj", "v_proj", "o_proj"]), cfg, 32),
         "r32": load_adapter(make_peft_adapter(base, tmp_path / "r32", 2, r=32, lora_alpha=16,
                                               target_modules=["k_proj", "gate_proj", "down_proj"]), cfg, 32),
     }
+
+
+# few_adapters 2: batches of the three (base, r4, r32) replay the every-segment plan, smaller ones the
+# few-adapter plan; 4: every LoRA step replays the few-adapter plan, 2 programs sharing 3 busy segments.
+@pytest.mark.parametrize("few_adapters", [0, 2, 4])
+def test_graph_replay_matches_eager(tmp_path, few_adapters):
+    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
+    adapters = adapters_of(base, tmp_path)
     graph_engine, tokens, logits = run(base, adapters, graphs=True, few_adapters=few_adapters)
     assert graph_engine.graphs is not None and graph_engine.graphs.graphs, "no decode step was replayed"
     keys = [key for key in graph_engine.graphs.graphs if key[1]]
@@ -87,3 +91,18 @@ def test_warm_up_captures_every_graph_the_traffic_can_use(tmp_path):
     # Nothing is captured twice, and a deadline already past captures nothing more.
     assert graphs.capture_all(1024, deadline=float("inf")) == 0
     assert graphs.capture_all(2048, deadline=0.0) == 0
+
+
+def test_few_adapter_graphs_with_expand_tiles_dealt_match_eager(tmp_path):
+    # kernel_shapes graph_few_expand_deal: the few-adapter graphs' expand programs are dealt the busy segments'
+    # token tiles; the tokens stay the eager path's, the logits within its rounding.
+    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
+    adapters = adapters_of(base, tmp_path)
+    graph_engine, tokens, logits = run(base, adapters, graphs=True, few_adapters=4,
+                                       kernel_shapes="graph_few_expand_deal")
+    assert {key[3] for key in graph_engine.graphs.graphs if key[1]} == {True}
+    _, eager_tokens, eager_logits = run(base, adapters, graphs=False)
+    assert tokens == eager_tokens
+    for rid in tokens:
+        for a, b in zip(logits[rid], eager_logits[rid]):
+            assert (a - b).abs().max().item() < 1e-3

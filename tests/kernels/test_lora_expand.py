@@ -8,7 +8,7 @@ import torch
 from conftest import ALIGNED_CFG, LoraPool, assert_matches, launch_shapes_set
 from lora_cases import FORMS, make_batch
 
-from services.gpu_worker.kernels import lora_expand
+from services.gpu_worker.kernels import group_tokens_by_adapter, lora_expand
 from services.gpu_worker.kernels.lora_expand import ExpandConfig
 from services.gpu_worker.ops import reference
 from shared.model_config import MODULES
@@ -227,3 +227,76 @@ def test_a_prefill_of_few_long_segments_keeps_wide_column_tiles():
     assert choose_expand_config(**common, max_seg_len=1000).block_n == 128
     # Two 3-token segments (an eager decode step) do have only 2 programs a tile: narrower tiles fill the GPU.
     assert choose_expand_config(**{**common, "num_tokens": 6}, max_seg_len=3).block_n == 32
+
+
+def long_segment_batch(gen: torch.Generator) -> torch.Tensor:
+    """A decode batch whose segments span several 16-row tiles (S-GQA's step over 5 adapters, scaled down):
+    base-only tokens, an adapter without some modules (rank 0 there) and a rank-64 one, shuffled."""
+    counts = {-1: 5, 0: 37, 1: 20, 2: 19}
+    ids = torch.cat([torch.full((n,), a, dtype=torch.int32) for a, n in counts.items()])
+    return ids[torch.randperm(ids.shape[0], generator=gen)].contiguous()
+
+
+@pytest.mark.parametrize("group", ["qkv", "gate_up", "down"])
+@pytest.mark.parametrize("programs,live_bound,block_m", [(1, 8, 16), (3, 8, 16), (8, 8, 16), (3, 4, 64),
+                                                          (3, 2, 16)])
+def test_expand_tiles_dealt_to_the_programs_add_the_same_bits_as_whole_segments(group, programs, live_bound,
+                                                                                block_m):
+    # Dealt or walked, each output tile is summed by one program over the same rank steps, so the outputs agree
+    # bit for bit, and with the reference. A bound below the busy segments (3, 2: four are busy) falls back
+    # to the walk on the device.
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=41)
+    gen = torch.Generator().manual_seed(42)
+    token_adapter = long_segment_batch(gen)
+    modules = GROUPS[group]
+    # A segment per token, as a decode graph launches them; four of them busy.
+    groups = group_tokens_by_adapter(token_adapter, count_live=True)
+    kwargs = {**groups.kwargs(), "live_segments": live_bound}
+    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in modules)
+    max_rank = lp.max_rank(token_adapter, modules)
+    y = torch.randn(len(modules), token_adapter.shape[0], max_rank, generator=gen)
+    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
+    outs = []
+    for deal in (False, True):
+        config = ExpandConfig(block_r=16, block_n=16, block_m=block_m, segment_programs=programs, deal_tiles=deal)
+        out = base.clone()
+        lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, out, out_dims, config=config, **kwargs)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = base.clone()
+    reference.lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, ref, out_dims)
+    assert_matches(outs[1] - base, ref - base, torch.float32)
+    untouched = token_adapter < 0
+    assert torch.equal(outs[1][untouched], base[untouched])
+
+
+def test_dealt_tiles_take_whole_segments():
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=43)
+    gen = torch.Generator().manual_seed(44)
+    token_adapter = long_segment_batch(gen)
+    groups = group_tokens_by_adapter(token_adapter, count_live=True)
+    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in GROUPS["down"])
+    y = torch.randn(1, token_adapter.shape[0], 16, generator=gen)
+    out = torch.zeros(token_adapter.shape[0], sum(out_dims))
+    config = ExpandConfig(block_r=16, block_n=16, chunk_tokens=16, segment_programs=2, deal_tiles=True)
+    with pytest.raises(ValueError, match="deal_tiles"):
+        lora_expand(y, lp.v_buf, token_adapter, lp.tables, GROUPS["down"], out, out_dims, config=config,
+                    live_segments=8, **groups.kwargs())
+
+
+def test_a_few_adapter_graph_deals_its_expand_tiles_when_asked():
+    from services.gpu_worker.kernels.lora_expand import choose_expand_config
+
+    common = dict(num_tokens=512, num_groups=3, out_dims=(4096, 1024, 1024), width=4096, max_rank=64,
+                  device=torch.device("cpu"), segmented=True, num_segments=512)
+    few = dict(live_segments=32, segment_programs=32)
+    assert not choose_expand_config(**common, **few).deal_tiles
+    with launch_shapes_set("graph_few_expand_deal"):
+        assert choose_expand_config(**common, **few).deal_tiles
+        # Graphs planned for every segment and eager launches walk as before.
+        assert not choose_expand_config(**common).deal_tiles
+        assert not choose_expand_config(**common, max_seg_len=3).deal_tiles
+    # Dealing takes whole segments: it overrides graph_few_chunk.
+    with launch_shapes_set("graph_few_expand_deal,graph_few_chunk=64"):
+        cfg = choose_expand_config(**common, **few)
+        assert cfg.deal_tiles and cfg.chunk_tokens == 0

@@ -88,7 +88,7 @@ def _expand_segment_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr,
     SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr, COLS_FIRST: tl.constexpr,
-    RANK_WHOLE: tl.constexpr,
+    RANK_WHOLE: tl.constexpr, DEAL: tl.constexpr, SEG_BLOCK: tl.constexpr,
 ):
     if COLS_FIRST:
         col_pid, seg_pid = tl.program_id(0), tl.program_id(2)
@@ -106,14 +106,24 @@ def _expand_segment_kernel(
         n_seg = num_segments
         if HAS_LIVE:
             n_seg = tl.load(live_ptr)
-        for s in range(seg_pid, n_seg, seg_programs):
-            a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, tl.program_id(1), m,
-                                                y_rank, chunk_tokens)
-            if (rank > 0) & (p_lo < p_hi):
-                _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
-                                stride_slots, b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo,
-                                n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
-                                PRECISION, RANK_WHOLE)
+        # Constexpr first (a launch without dealing compiles the walk alone), then the count on the device: more
+        # busy segments than the dealing's vectors hold fall back to the walk, so no segment is left out.
+        if DEAL:
+            if n_seg <= SEG_BLOCK:
+                _expand_dealt(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
+                              order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank,
+                              n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R,
+                              BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, SEG_BLOCK)
+            else:
+                _expand_walked(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
+                               order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W,
+                               y_rank, chunk_tokens, n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim,
+                               C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
+        else:
+            _expand_walked(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
+                           order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W,
+                           y_rank, chunk_tokens, n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim,
+                           C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, seg_pid, tl.program_id(1), HAS_ITEMS)
         a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank,
@@ -123,6 +133,61 @@ def _expand_segment_kernel(
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim,
                         C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
+
+
+@triton.jit
+def _expand_walked(
+    y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr, slots_ptr,
+    stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank, chunk_tokens, n_seg, seg_pid, seg_programs,
+    m, g, n_lo, n_hi, out_dim, C0, C1, C2,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr,
+):
+    """Program seg_pid of seg_programs walks segments seg_pid, seg_pid + seg_programs, ... whole (their chunk
+    on the grid's second axis)."""
+    for s in range(seg_pid, n_seg, seg_programs):
+        a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, tl.program_id(1), m,
+                                            y_rank, chunk_tokens)
+        if (rank > 0) & (p_lo < p_hi):
+            _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
+                            stride_slots, b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo,
+                            n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
+                            PRECISION, RANK_WHOLE)
+
+
+@triton.jit
+def _expand_dealt(
+    y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr, slots_ptr,
+    stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank, n_seg, seg_pid, seg_programs,
+    m, g, n_lo, n_hi, out_dim, C0, C1, C2,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, SEG_BLOCK: tl.constexpr,
+):
+    """The busy segments' BLOCK_M-row token tiles numbered in segment order and dealt out in turn: program
+    seg_pid takes tiles seg_pid, seg_pid + seg_programs, ... . Walking whole segments, a graph's step over 5
+    adapters at batch 512 kept 5 of its 32 programs a column tile busy, each with ~7 tiles in a row; dealt, all
+    32 take one or two. The n_seg <= SEG_BLOCK segments' bounds, adapters and ranks are read as vectors once;
+    segments of rank 0 (base-only, or an adapter without this module) get no tiles."""
+    idx = tl.arange(0, SEG_BLOCK)
+    busy = idx < n_seg
+    lo = tl.load(seg_start_ptr + idx, mask=busy, other=0)
+    hi = tl.load(seg_start_ptr + idx + 1, mask=busy, other=0)
+    adapter = tl.load(seg_adapter_ptr + idx, mask=busy, other=-1)
+    rank = tl.load(ranks_ptr + tl.maximum(adapter, 0) * 7 + m, mask=busy & (adapter >= 0), other=0)
+    rank = tl.minimum(rank, y_rank)
+    tiles = tl.where(rank > 0, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+    ends = tl.cumsum(tiles, axis=0)  # tiles of segments 0..s together
+    total = tl.sum(tiles, axis=0)
+    for t in range(seg_pid, total, seg_programs):
+        s = tl.sum((ends <= t).to(tl.int32), axis=0)  # the segment whose tiles hold tile t
+        pick = idx == s
+        first_tile = tl.sum(tl.where(pick, ends - tiles, 0), axis=0)
+        p_lo = tl.sum(tl.where(pick, lo, 0), axis=0) + (t - first_tile) * BLOCK_M
+        p_hi = tl.minimum(tl.sum(tl.where(pick, hi, 0), axis=0), p_lo + BLOCK_M)
+        _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
+                        b_off_ptr, out_ptr, stride_ot, W, tl.sum(tl.where(pick, adapter, 0), axis=0), m, g,
+                        tl.sum(tl.where(pick, rank, 0), axis=0), p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
+                        BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
 
 
 @triton.jit
@@ -215,6 +280,9 @@ class ExpandConfig:
     # Segment form: a program's whole rank in one BLOCK_R step (block_r must cover the batch's max rank), its
     # column tiles the loop the loads pipeline over.
     rank_whole: bool = False
+    # Segment form, shared out (segment_programs): the busy segments' token tiles dealt to the programs in turn
+    # rather than whole segments (_expand_dealt); whole segments only (chunk_tokens 0).
+    deal_tiles: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
@@ -249,7 +317,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         return cdiv(max(out_dims), bn)
 
     units = num_segments if segmented and num_segments is not None else num_tokens
-    block_m, chunk, short_prefill = 16, 0, False
+    block_m, chunk, short_prefill, deal = 16, 0, False, False
     if segmented:
         units = planned_segments(units, live_segments, segment_programs)
         if max_seg_len is not None and max_seg_len > PREFILL_CHUNK_TOKENS:
@@ -269,8 +337,10 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
                 units = max(units, cdiv(num_tokens, chunk))
         elif few_adapter_graph(max_seg_len, live_segments, segment_programs):
             # A few-adapter graph's programs walk their segments whole unless kernel_shapes' graph_few_chunk
-            # gives each program one chunk of them (a long segment then spreads over as many programs).
-            chunk = shapes.graph_few_chunk
+            # gives each program one chunk of them (a long segment then spreads over as many programs), or
+            # graph_few_expand_deal deals the segments' token tiles out to the programs in turn.
+            deal = shapes.graph_few_expand_deal
+            chunk = 0 if deal else shapes.graph_few_chunk
     block_n = pow2_divisor(width, 128)
     if block_n < 16:
         block_n = 64
@@ -303,7 +373,7 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
             block_r = 16 if max_rank <= 16 or short_prefill or graph_bound else 32
         return ExpandConfig(block_r=block_r, block_n=block_n, tiles_per_prog=tiles, block_m=block_m,
                             chunk_tokens=chunk, segment_programs=segment_programs,
-                            cols_first=shapes.expand_cols_first, rank_whole=whole)
+                            cols_first=shapes.expand_cols_first, rank_whole=whole, deal_tiles=deal)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n,
                         cols_first=shapes.expand_cols_first)
 
@@ -372,6 +442,14 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         if cfg.rank_whole and cfg.block_r < y_rank:
             raise ValueError(f"rank_whole: block_r {cfg.block_r} is below the batch's max rank {y_rank}")
         common["RANK_WHOLE"] = cfg.rank_whole
+        deal = cfg.deal_tiles and seg.constexprs["SHARED"]  # one program a segment has nothing to deal
+        if deal:
+            require(seg.chunks == 1, f"deal_tiles deals whole segments' tiles; chunk_tokens {cfg.chunk_tokens} "
+                                     f"cuts them into {seg.chunks} chunks")
+        common["DEAL"] = deal
+        # The dealing reads the busy segments' bounds as vectors of this many (a graph's bound on its busy
+        # segments; more busy segments on the device fall back to walking them whole).
+        common["SEG_BLOCK"] = next_pow2(min(live_segments or num_segments, 1024)) if deal else 1
         grid = (seg.axis, seg.chunks, num_groups * n_col_groups)
         kernel_fn = _expand_segment_kernel
     else:
