@@ -30,6 +30,7 @@ Words, comma-separated:
   graph_few_expand_deal in those graphs, the busy segments' 16-row token tiles are dealt to LoRA expand's programs
                         in turn instead of whole segments to each, so a long segment spreads over the programs
                         that would idle (off until timed on the H200)
+  graph_few_shrink_deal the same for LoRA shrink's programs, its tiles of either height (off until timed)
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
@@ -59,6 +60,7 @@ class LaunchShapes:
     graph_few_shrink_long: int = 16  # 0 (no_graph_few_shrink_long): one tile height for every segment
     graph_few_chunk: int = 0
     graph_few_expand_deal: bool = False
+    graph_few_shrink_deal: bool = False
     expand_rank_whole: bool = False
 
     @classmethod

@@ -20,6 +20,8 @@ def test_words_set_the_shapes_they_name():
     assert LaunchShapes.parse("no_split_mixed,split_mixed").split_mixed
     assert LaunchShapes.parse("graph_few_expand_deal").graph_few_expand_deal
     assert not LaunchShapes().graph_few_expand_deal
+    assert LaunchShapes.parse("graph_few_shrink_deal").graph_few_shrink_deal
+    assert not LaunchShapes().graph_few_shrink_deal
 
 
 def test_the_shapes_the_h200_favoured_are_on_by_default_and_no_words_turn_them_off():

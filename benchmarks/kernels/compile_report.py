@@ -81,9 +81,11 @@ def launch_everything(dtype=torch.bfloat16) -> None:
                 if num_tokens == 512:  # the whole-rank expand (kernel_shapes expand_rank_whole), as a graph's
                     kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims,
                                         config=WHOLE_RANK, **grouped)
-                    # A few-adapter graph's expand with its token tiles dealt (kernel_shapes graph_few_expand_deal).
-                    set_launch_shapes(LaunchShapes.parse("graph_few_expand_deal"))
+                    # A few-adapter graph's shrink and expand with their token tiles dealt (kernel_shapes
+                    # graph_few_shrink_deal, graph_few_expand_deal).
+                    set_launch_shapes(LaunchShapes.parse("graph_few_expand_deal,graph_few_shrink_deal"))
                     try:
+                        y = kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, 64, **shared)
                         kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, **shared)
                     finally:
                         set_launch_shapes(LaunchShapes())

@@ -44,7 +44,8 @@ from services.gpu_worker.kernels.lora_shrink import GRAPH_FEW_SHRINK_LONG_M, cho
 # tiles its inner loop, "ed" the busy segments' token tiles dealt to the programs in turn (with pN). Shrink:
 # "skN" N-input tiles, "sxN" the inputs split N ways, "srN" N rank columns a dot, "swN" N warps, "ssN" N
 # pipeline stages, "smN" N-token tiles, "slN" segments of more than N tokens in GRAPH_FEW_SHRINK_LONG_M-token
-# tiles (programs sharing segments out only; by default from 16, "sl0": one height). "scN" and "ecN" give
+# tiles (programs sharing segments out only; by default from 16, "sl0": one height), "sd" its tiles dealt as
+# expand's with "ed". "scN" and "ecN" give
 # shrink's and expand's programs N tokens of a segment each (its chunks spread over the grid's second axis; with
 # shared programs, each program takes the same chunk of every segment it walks).
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
@@ -101,6 +102,8 @@ class Plan:
                 fields["expand"] = fields.get("expand", ()) + (("rank_whole", True),)
             elif word == "ed":  # expand's token tiles dealt to its programs in turn (shared programs only)
                 fields["expand"] = fields.get("expand", ()) + (("deal_tiles", True), ("chunk_tokens", 0))
+            elif word == "sd":  # shrink's, likewise
+                fields["shrink"] = fields.get("shrink", ()) + (("deal_tiles", True), ("chunk_tokens", 0))
             elif word[:2] == "em" and word[2:].isdigit():  # expand's row tiles alone ("mN" sets both kernels')
                 fields["expand"] = fields.get("expand", ()) + (("block_m", int(word[2:])),)
             elif word[:2] == "ec" and word[2:].isdigit():  # expand's tokens a program (a segment's chunks)
@@ -267,7 +270,8 @@ def main() -> None:
     if args.smoke:
         model, groups, batches, distinct, device, dtype, layers = "tiny", ["qkv"], [8], [1, 3], "cpu", torch.float32, 1
         plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
-                 "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound live 16 p2 ed", "bound n16 t2 w2",
+                 "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound live 16 p2 ed", "bound live 16 p2 sd",
+                 "bound live 16 p2 sd sl0", "bound n16 t2 w2",
                  "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16", "exact")
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8

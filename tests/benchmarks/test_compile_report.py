@@ -76,13 +76,13 @@ for r in cr.RESULTS:
 
 
 def compiled_rows(script: str) -> list[list[str]]:
-    """The script's printed rows (two launch constants, then registers, local memory and stack), each checked
-    for spills."""
+    """The script's printed rows (launch constants, then registers, local memory and stack), each checked for
+    spills."""
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=compile_env(), capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     rows = [line.split() for line in run.stdout.splitlines()]
-    for _, _, regs, local, stack in rows:
+    for *_, regs, local, stack in rows:
         assert (local, stack) == ("0", "0") and 0 < int(regs) <= 255
     return rows
 
@@ -103,15 +103,21 @@ shared = {**kernels.group_tokens_by_adapter(token_adapter, count_live=True).kwar
           "live_segments": 32, "segment_programs": 32}
 y = torch.zeros(len(modules), 512, 64, dtype=torch.bfloat16)
 out = torch.zeros(512, sum(out_dims), dtype=torch.bfloat16)
-for words in ("", "graph_few_expand_deal"):
+x = torch.zeros(512, fan_in, dtype=torch.bfloat16)
+for words in ("", "graph_few_expand_deal,graph_few_shrink_deal"):
     set_launch_shapes(LaunchShapes.parse(words))
+    kernels.lora_shrink(x, pool.k(), token_adapter, pool.tables, modules, 64, **shared)
     kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, **shared)
 for r in cr.RESULTS:
-    print(r["consts"]["DEAL"], r["consts"]["SEG_BLOCK"], r.get("REG"), r.get("LOCAL", 0), r.get("STACK", 0))
+    if r["kernel"] in ("_shrink_segment_kernel", "_expand_segment_kernel"):
+        print(r["kernel"][1:7], r["consts"]["DEAL"], r["consts"]["SEG_BLOCK"], r.get("REG"), r.get("LOCAL", 0),
+              r.get("STACK", 0))
 """
 
 
-def test_the_few_adapter_expand_with_its_tiles_dealt_compiles_for_sm90_without_spills():
-    # A few-adapter graph's expand (segments shared out among 32 programs), walking whole segments and dealt.
+def test_the_few_adapter_launches_with_their_tiles_dealt_compile_for_sm90_without_spills():
+    # A few-adapter graph's shrink and expand (segments shared out among 32 programs), walking whole segments and
+    # dealt.
     rows = compiled_rows(DEALT)
-    assert [(deal, block) for deal, block, *_ in rows] == [("False", "1"), ("True", "32")]
+    assert [tuple(row[:3]) for row in rows] == [("shrink", "False", "1"), ("expand", "False", "1"),
+                                                ("shrink", "True", "32"), ("expand", "True", "32")]

@@ -17,8 +17,9 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
-             "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound live 16 p2 ed", "bound n16 t2 w2", "bound sk16 sw2",
-             "bound rw r64 n16 t2", "exact live 16", "exact")
+             "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound live 16 p2 ed", "bound live 16 p2 sd",
+             "bound live 16 p2 sd sl0", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16",
+             "exact")
     assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [(d, plan) for d in (1, 3) for plan in plans]
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
@@ -57,6 +58,9 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     dealt, walked = by_plan[(3, "bound live 16 p2 ed")], by_plan[(3, "bound live 16 p2")]
     assert {k: v for k, v in dealt["expand"].items() if v != walked["expand"][k]} == {"deal_tiles": True}
     assert dealt["shrink"] == walked["shrink"]
+    dealt = by_plan[(3, "bound live 16 p2 sd")]
+    assert {k: v for k, v in dealt["shrink"].items() if v != walked["shrink"][k]} == {"deal_tiles": True}
+    assert dealt["expand"] == walked["expand"]
     default = by_plan[(3, "bound live 16 p2")]["shrink"]
     assert (default["block_m_long"], default["long_from"]) == (64, 16)
     assert all(r["adapter_bytes"] > 0 for r in rows)
@@ -81,6 +85,8 @@ def test_plans_are_read_from_their_words():
                                                              shrink=(("chunk_tokens", 64),))
     assert Plan.parse("bound live 32 p32 ed") == Plan(exact=False, live=32, programs=32,
                                                       expand=(("deal_tiles", True), ("chunk_tokens", 0)))
+    assert Plan.parse("bound live 32 p32 sd sl0") == Plan(exact=False, live=32, programs=32, shrink=(
+        ("deal_tiles", True), ("chunk_tokens", 0), ("block_m_long", 0), ("long_from", 0)))
     assert Plan.parse("bound rw r64 t4") == Plan(exact=False, expand=(("rank_whole", True), ("block_r", 64),
                                                                       ("tiles_per_prog", 4)))
     # Two-letter shrink words before expand's one-letter ones: "ss3" is shrink's stages, "s3" expand's.

@@ -93,13 +93,14 @@ def test_warm_up_captures_every_graph_the_traffic_can_use(tmp_path):
     assert graphs.capture_all(2048, deadline=0.0) == 0
 
 
-def test_few_adapter_graphs_with_expand_tiles_dealt_match_eager(tmp_path):
-    # kernel_shapes graph_few_expand_deal: the few-adapter graphs' expand programs are dealt the busy segments'
-    # token tiles; the tokens stay the eager path's, the logits within its rounding.
+def test_few_adapter_graphs_with_their_lora_tiles_dealt_match_eager(tmp_path):
+    # kernel_shapes graph_few_shrink_deal and graph_few_expand_deal: the few-adapter graphs' shrink and expand
+    # programs are dealt the busy segments' token tiles; the tokens stay the eager path's, the logits within
+    # its rounding.
     base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
     adapters = adapters_of(base, tmp_path)
     graph_engine, tokens, logits = run(base, adapters, graphs=True, few_adapters=4,
-                                       kernel_shapes="graph_few_expand_deal")
+                                       kernel_shapes="graph_few_shrink_deal,graph_few_expand_deal")
     assert {key[3] for key in graph_engine.graphs.graphs if key[1]} == {True}
     _, eager_tokens, eager_logits = run(base, adapters, graphs=False)
     assert tokens == eager_tokens

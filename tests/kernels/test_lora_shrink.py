@@ -8,7 +8,7 @@ import torch
 from conftest import ALIGNED_CFG, LoraPool, assert_matches, launch_shapes_set
 from lora_cases import FORMS, make_batch
 
-from services.gpu_worker.kernels import lora_shrink
+from services.gpu_worker.kernels import group_tokens_by_adapter, lora_shrink
 from services.gpu_worker.kernels.lora_shrink import (GRAPH_FEW_SHRINK_BLOCK_M, GRAPH_FEW_SHRINK_LONG_M,
                                                      GRAPH_SHRINK_MIN_SPLIT, ShrinkConfig, choose_shrink_config)
 from services.gpu_worker.ops import reference
@@ -212,3 +212,49 @@ def test_shrink_segments_shared_out_among_fewer_programs(form, with_live, n_spli
     config = ShrinkConfig(block_r=16, block_k=16, n_split=n_split, block_m=block_m, chunk_tokens=chunk,
                           segment_programs=2)
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS["qkv"], seed=31, config=config, with_live=with_live)
+
+
+@pytest.mark.parametrize("group", ["qkv", "gate_up", "down"])
+@pytest.mark.parametrize("programs,live_bound,long_from,n_split", [(1, 8, 0, 1), (3, 8, 0, 3), (3, 8, 16, 1),
+                                                                   (5, 4, 16, 3), (3, 2, 16, 1)])
+def test_shrink_tiles_dealt_to_the_programs_give_the_same_bits_as_whole_segments(group, programs, live_bound,
+                                                                                 long_from, n_split):
+    # A decode graph's segment per token, four of them busy (a base-only one included), 5-37 tokens each: dealt
+    # or walked, each tile of either height is summed by one program over the same input steps, so the
+    # outputs agree bit for bit, and with the reference. A bound below the busy segments (2) walks them.
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=45)
+    gen = torch.Generator().manual_seed(46)
+    counts = {-1: 5, 0: 37, 1: 20, 2: 19}
+    ids = torch.cat([torch.full((n,), a, dtype=torch.int32) for a, n in counts.items()])
+    token_adapter = ids[torch.randperm(ids.shape[0], generator=gen)].contiguous()
+    modules = GROUPS[group]
+    kwargs = {**group_tokens_by_adapter(token_adapter, count_live=True).kwargs(), "live_segments": live_bound}
+    x = torch.randn(token_adapter.shape[0], ALIGNED_CFG.module_dims(MODULES[modules[0]])[0], generator=gen)
+    max_rank = lp.max_rank(token_adapter, modules)
+    outs = []
+    for deal in (False, True):
+        config = ShrinkConfig(block_r=16, block_k=16, n_split=n_split, block_m=16, segment_programs=programs,
+                              block_m_long=GRAPH_FEW_SHRINK_LONG_M if long_from else 0, long_from=long_from,
+                              deal_tiles=deal)
+        outs.append(lora_shrink(x, lp.k_buf, token_adapter, lp.tables, modules, max_rank, config=config, **kwargs))
+    assert torch.equal(outs[0], outs[1])
+    ref = reference.lora_shrink(x, lp.k_buf, token_adapter, lp.tables, modules, max_rank)
+    assert_matches(outs[1], ref, torch.float32)
+
+
+def test_a_few_adapter_graph_deals_its_shrink_tiles_when_asked():
+    common = dict(num_tokens=512, num_groups=2, fan_in=4096, width=4096, max_rank=64, device=torch.device("cpu"),
+                  segmented=True, num_segments=512)
+    few = dict(live_segments=32, segment_programs=32)
+    assert not choose_shrink_config(**common, **few).deal_tiles
+    with launch_shapes_set("graph_few_shrink_deal,graph_few_chunk=64"):
+        dealt = choose_shrink_config(**common, **few)
+        assert dealt.deal_tiles and dealt.chunk_tokens == 0 and dealt.block_m_long == GRAPH_FEW_SHRINK_LONG_M
+        assert not choose_shrink_config(**common).deal_tiles
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=47)
+    token_adapter = torch.tensor([0, 1, 0, 2] * 8, dtype=torch.int32)
+    x = torch.randn(32, ALIGNED_CFG.module_dims(MODULES[0])[0])
+    config = ShrinkConfig(block_r=16, block_k=16, n_split=1, chunk_tokens=16, segment_programs=2, deal_tiles=True)
+    with pytest.raises(ValueError, match="deal_tiles"):
+        lora_shrink(x, lp.k_buf, token_adapter, lp.tables, GROUPS["qkv"], 64, config=config, live_segments=8,
+                    **group_tokens_by_adapter(token_adapter, count_live=True).kwargs())

@@ -22,8 +22,8 @@ from .compiled_launch import CompiledLaunch
 from .launch_shapes import launch_shapes
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average
 from .lora_rows import (
-    check_pool_buffer, check_segments, check_tables, few_adapter_graph, load_adapter_tile, module_slot,
-    planned_segments, segment_chunk, segment_form,
+    check_pool_buffer, check_segments, check_tables, deal_constexprs, few_adapter_graph, load_adapter_tile,
+    module_slot, planned_segments, segment_chunk, segment_form,
 )
 
 
@@ -102,24 +102,21 @@ def _expand_segment_kernel(
     m = module_slot(g, M0, M1, M2)
     n_hi = tl.minimum(out_dim, n_lo + tiles_per_prog * BLOCK_N)
     if SHARED:
-        # As in the shrink kernel: program i takes segments i, i + seg_programs, ... up to those in use.
+        # As in the shrink kernel: up to the segments in use. Constexpr first (a launch without dealing compiles
+        # the walk alone), then the count on the device: more busy segments than the dealing's vectors hold fall
+        # back to the walk, so no segment is left out.
         n_seg = num_segments
         if HAS_LIVE:
             n_seg = tl.load(live_ptr)
-        # Constexpr first (a launch without dealing compiles the walk alone), then the count on the device: more
-        # busy segments than the dealing's vectors hold fall back to the walk, so no segment is left out.
+        walk = True
         if DEAL:
+            walk = n_seg > SEG_BLOCK
             if n_seg <= SEG_BLOCK:
                 _expand_dealt(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
                               order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank,
                               n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R,
                               BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, SEG_BLOCK)
-            else:
-                _expand_walked(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
-                               order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W,
-                               y_rank, chunk_tokens, n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim,
-                               C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
-        else:
+        if walk:
             _expand_walked(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
                            order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W,
                            y_rank, chunk_tokens, n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim,
@@ -442,14 +439,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         if cfg.rank_whole and cfg.block_r < y_rank:
             raise ValueError(f"rank_whole: block_r {cfg.block_r} is below the batch's max rank {y_rank}")
         common["RANK_WHOLE"] = cfg.rank_whole
-        deal = cfg.deal_tiles and seg.constexprs["SHARED"]  # one program a segment has nothing to deal
-        if deal:
-            require(seg.chunks == 1, f"deal_tiles deals whole segments' tiles; chunk_tokens {cfg.chunk_tokens} "
-                                     f"cuts them into {seg.chunks} chunks")
-        common["DEAL"] = deal
-        # The dealing reads the busy segments' bounds as vectors of this many (a graph's bound on its busy
-        # segments; more busy segments on the device fall back to walking them whole).
-        common["SEG_BLOCK"] = next_pow2(min(live_segments or num_segments, 1024)) if deal else 1
+        common.update(deal_constexprs(cfg, seg, live_segments, num_segments))
         grid = (seg.axis, seg.chunks, num_groups * n_col_groups)
         kernel_fn = _expand_segment_kernel
     else:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..ops.meta import LoraTables
-from .checks import FLOAT_DTYPES, cdiv, check_tensor, require
+from .checks import FLOAT_DTYPES, cdiv, check_tensor, next_pow2, require
 
 
 @triton.jit
@@ -147,6 +147,18 @@ def segment_form(cfg, num_tokens: int, max_seg_len: int | None, seg_start: torch
                       SHARED=shared, HAS_ITEMS=items is not None,
                       PRECISION="ieee" if dtype == torch.float32 else "tf32")
     return SegmentForm(axis, chunks, chunk, programs, args, constexprs)
+
+
+def deal_constexprs(cfg, form: SegmentForm, live_segments: int | None, num_segments: int) -> dict:
+    """DEAL and SEG_BLOCK of a segment-form launch (`cfg.deal_tiles`, a ShrinkConfig or ExpandConfig): programs
+    that share the segments out are dealt their tiles, reading the busy segments' bounds as vectors of
+    SEG_BLOCK (a graph's bound on its busy segments; more busy segments on the device fall back to the walk).
+    One program a segment has nothing to deal."""
+    deal = cfg.deal_tiles and form.constexprs["SHARED"]
+    if deal:
+        require(form.chunks == 1, f"deal_tiles deals whole segments' tiles; chunk_tokens {cfg.chunk_tokens} cuts "
+                                  f"them into {form.chunks} chunks")
+    return dict(DEAL=deal, SEG_BLOCK=next_pow2(min(live_segments or num_segments, 1024)) if deal else 1)
 
 
 def check_segments(num_tokens: int, device: torch.device, seg_start, seg_adapter, token_order) -> None:

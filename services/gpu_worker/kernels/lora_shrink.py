@@ -25,8 +25,8 @@ from .compiled_launch import CompiledLaunch
 from .launch_shapes import launch_shapes
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
-    check_pool_buffer, check_segments, check_tables, few_adapter_graph, load_adapter_tile, module_slot,
-    planned_segments, segment_chunk, segment_form,
+    check_pool_buffer, check_segments, check_tables, deal_constexprs, few_adapter_graph, load_adapter_tile,
+    module_slot, planned_segments, segment_chunk, segment_form,
 )
 
 
@@ -121,7 +121,7 @@ def _shrink_segment_kernel(
     NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
     HAS_LIVE: tl.constexpr, SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M_LONG: tl.constexpr,
+    BLOCK_M_LONG: tl.constexpr, DEAL: tl.constexpr, SEG_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(2)
     split = pid % n_split
@@ -131,53 +131,120 @@ def _shrink_segment_kernel(
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, fan_in)
     if SHARED:
-        # Program i takes segments i, i + seg_programs, ... up to the segments in use (all of them without a
-        # count on the device): fewer programs than segments leave no empty ones for a graph's unused
-        # segments. A constexpr branch, so the one-segment-a-program launch keeps its registers.
+        # Up to the segments in use (all of them without a count on the device). A constexpr branch, so the
+        # one-segment-a-program launch keeps its registers; dealt tiles as far as the vectors hold the busy
+        # segments, else the walk (as in the expand kernel).
         n_seg = num_segments
         if HAS_LIVE:
             n_seg = tl.load(live_ptr)
-        part = tl.program_id(1)
-        for s in range(tl.program_id(0), n_seg, seg_programs):
-            _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
-                            slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-                            num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, part, split, g, m,
-                            r_tile, k_lo, k_hi, long_from, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN,
-                            SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
+        walk = True
+        if DEAL:
+            walk = n_seg > SEG_BLOCK
+            if n_seg <= SEG_BLOCK:
+                _shrink_dealt(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+                              slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+                              num_tokens, W, n_chunks, max_rank, rows_p, n_seg, seg_programs, split, g, m, r_tile,
+                              k_lo, k_hi, long_from, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
+                              HAS_ORDER, PRECISION, BLOCK_M_LONG, SEG_BLOCK)
+        if walk:
+            _shrink_walked(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+                           slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+                           num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, n_seg, seg_programs, split,
+                           g, m, r_tile, k_lo, k_hi, long_from, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED,
+                           EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, tl.program_id(0), tl.program_id(1), HAS_ITEMS)
-        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
-                        slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-                        num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, chunk, split, g, m,
-                        r_tile, k_lo, k_hi, long_from, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
-                        HAS_ORDER, PRECISION, BLOCK_M_LONG)
+        p_lo, p_hi = _segment_span(seg_start_ptr, s, chunk, chunk_tokens)
+        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_adapter_ptr, order_ptr, slots_ptr, stride_slots,
+                        ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot, num_tokens, W, n_chunks, max_rank,
+                        rows_p, s, p_lo, p_hi, p_hi - p_lo > long_from, split, g, m, r_tile, k_lo, k_hi, NUM_GROUPS,
+                        BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
 
 
 @triton.jit
-def _shrink_segment(
+def _shrink_walked(
     x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
     slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, s, chunk, split, g, m, r_tile, k_lo, k_hi, long_from,
+    num_tokens, W, n_chunks, max_rank, rows_p, chunk_tokens, n_seg, seg_programs, split, g, m, r_tile, k_lo, k_hi,
+    long_from,
     NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M_LONG: tl.constexpr,
 ):
-    """Segment s's token chunk `chunk`, for one program's (module, rank tile, input split). With BLOCK_M_LONG, a
-    chunk of more than `long_from` tokens goes in BLOCK_M_LONG-row tiles: a graph's segment lengths change from
-    replay to replay, and a long one read in BLOCK_M-row tiles reads the adapter's rows once a tile."""
+    """Program i of seg_programs walks segments i, i + seg_programs, ... whole (their chunk on the grid's
+    second axis): fewer programs than segments leave no empty ones for a graph's unused segments."""
+    for s in range(tl.program_id(0), n_seg, seg_programs):
+        p_lo, p_hi = _segment_span(seg_start_ptr, s, tl.program_id(1), chunk_tokens)
+        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_adapter_ptr, order_ptr, slots_ptr, stride_slots,
+                        ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot, num_tokens, W, n_chunks, max_rank,
+                        rows_p, s, p_lo, p_hi, p_hi - p_lo > long_from, split, g, m, r_tile, k_lo, k_hi, NUM_GROUPS,
+                        BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
+
+
+@triton.jit
+def _shrink_dealt(
+    x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
+    slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+    num_tokens, W, n_chunks, max_rank, rows_p, n_seg, seg_programs, split, g, m, r_tile, k_lo, k_hi, long_from,
+    NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M_LONG: tl.constexpr, SEG_BLOCK: tl.constexpr,
+):
+    """The busy segments' token tiles (BLOCK_M_LONG rows for a segment of more than long_from tokens when set,
+    BLOCK_M otherwise) numbered in segment order and dealt out in turn, as in the expand kernel's
+    _expand_dealt. Every segment's tiles are dealt, base-only ones too: each token's partial sums are stored
+    for the split's finalize."""
+    idx = tl.arange(0, SEG_BLOCK)
+    busy = idx < n_seg
+    lo = tl.load(seg_start_ptr + idx, mask=busy, other=0)
+    hi = tl.load(seg_start_ptr + idx + 1, mask=busy, other=0)
+    if BLOCK_M_LONG > 0:
+        height = tl.where(hi - lo > long_from, BLOCK_M_LONG, BLOCK_M)
+    else:
+        height = tl.full([SEG_BLOCK], BLOCK_M, tl.int32)
+    tiles = (hi - lo + height - 1) // height
+    ends = tl.cumsum(tiles, axis=0)  # tiles of segments 0..s together
+    for t in range(tl.program_id(0), tl.sum(tiles, axis=0), seg_programs):
+        s = tl.sum((ends <= t).to(tl.int32), axis=0)  # the segment whose tiles hold tile t
+        pick = idx == s
+        h = tl.sum(tl.where(pick, height, 0), axis=0)
+        p_lo = tl.sum(tl.where(pick, lo, 0), axis=0) + (t - tl.sum(tl.where(pick, ends - tiles, 0), axis=0)) * h
+        p_hi = tl.minimum(tl.sum(tl.where(pick, hi, 0), axis=0), p_lo + h)
+        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_adapter_ptr, order_ptr, slots_ptr, stride_slots,
+                        ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot, num_tokens, W, n_chunks, max_rank,
+                        rows_p, s, p_lo, p_hi, h > BLOCK_M, split, g, m, r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M,
+                        BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
+
+
+@triton.jit
+def _segment_span(seg_start_ptr, s, chunk, chunk_tokens):
+    """Positions of segment s's token chunk `chunk`."""
+    p_lo = tl.load(seg_start_ptr + s) + chunk * chunk_tokens
+    return p_lo, tl.minimum(tl.load(seg_start_ptr + s + 1), p_lo + chunk_tokens)
+
+
+@triton.jit
+def _shrink_segment(
+    x_ptr, stride_xt, buf_ptr, stride_buf, seg_adapter_ptr, order_ptr,
+    slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
+    num_tokens, W, n_chunks, max_rank, rows_p, s, p_lo, p_hi, long, split, g, m, r_tile, k_lo, k_hi,
+    NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M_LONG: tl.constexpr,
+):
+    """Positions p_lo..p_hi of segment s, for one program's (module, rank tile, input split), in BLOCK_M_LONG-row
+    tiles where `long` (with BLOCK_M_LONG set) and BLOCK_M-row ones otherwise: a graph's segment lengths change
+    from replay to replay, and a long one read in BLOCK_M-row tiles reads the adapter's rows once a tile."""
     a = tl.load(seg_adapter_ptr + s)
     a_safe = tl.maximum(a, 0)
     rank = tl.load(ranks_ptr + a_safe * 7 + m)
     rank = tl.where(a >= 0, tl.minimum(rank, max_rank), 0)
     first = tl.load(a_off_ptr + a_safe * 7 + m)
     list_ptr = slots_ptr + a_safe.to(tl.int64) * stride_slots
-    seg_end = tl.load(seg_start_ptr + s + 1)
-    p_lo = tl.load(seg_start_ptr + s) + chunk * chunk_tokens
-    p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
     # Constexpr branches (a Python bool would become a tensor): a launch of one tile height compiles that
     # height alone.
     if BLOCK_M_LONG > 0:
-        if p_hi - p_lo > long_from:
+        if long:
             _shrink_rows(x_ptr, stride_xt, buf_ptr, stride_buf, order_ptr, list_ptr, first, rank, out_ptr,
                          stride_og, stride_ot, num_tokens, W, n_chunks, max_rank, rows_p, p_lo, p_hi, split, g,
                          r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M_LONG, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT,
@@ -309,6 +376,9 @@ class ShrinkConfig:
     long_from: int = 0
     chunk_tokens: int = 0  # segment form: tokens per program (0 = whole segment)
     segment_programs: int = 0  # segment form: programs that share the segments out (0 = one per segment)
+    # Segment form, shared out: the busy segments' token tiles dealt to the programs in turn rather than whole
+    # segments (_shrink_dealt); whole segments only (chunk_tokens 0).
+    deal_tiles: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
@@ -337,7 +407,7 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     r_tiles = cdiv(max(max_rank, 1), block_r)
     target = 8 * num_sms(device)
     shapes = launch_shapes()
-    block_m, chunk, block_m_long, long_from = 16, 0, 0, 0
+    block_m, chunk, block_m_long, long_from, deal = 16, 0, 0, 0, False
     if segmented:
         n_units = planned_segments(num_segments if num_segments is not None else num_tokens, live_segments,
                                    segment_programs)
@@ -364,7 +434,8 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
                 n_units = chunk_programs
         elif few_adapter_graph(max_seg_len, live_segments, segment_programs):
             block_m = shapes.graph_few_shrink_m or GRAPH_FEW_SHRINK_BLOCK_M
-            chunk = shapes.graph_few_chunk  # 0: a program walks each of its segments whole
+            deal = shapes.graph_few_shrink_deal  # the segments' tiles dealt to the programs in turn
+            chunk = 0 if deal else shapes.graph_few_chunk  # 0: a program walks each of its segments whole
             if shapes.graph_few_shrink_long and GRAPH_FEW_SHRINK_LONG_M > block_m:
                 block_m_long, long_from = GRAPH_FEW_SHRINK_LONG_M, shapes.graph_few_shrink_long
     else:
@@ -380,7 +451,7 @@ def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: i
     # The segment form's loads feed tl.dot and are software-pipelined; three stages measured faster.
     return ShrinkConfig(block_r=block_r, block_k=block_k, n_split=n_split, block_m=block_m, chunk_tokens=chunk,
                         segment_programs=segment_programs if segmented else 0, num_stages=3 if segmented else 2,
-                        block_m_long=block_m_long, long_from=long_from)
+                        block_m_long=block_m_long, long_from=long_from, deal_tiles=deal)
 
 
 def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tensor, tables: LoraTables,
@@ -462,6 +533,7 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
         common.update(seg.constexprs)
         # Per-segment tile heights only where programs walk segments they share out (a few-adapter graph's).
         common["BLOCK_M_LONG"] = cfg.block_m_long if seg.constexprs["SHARED"] else 0
+        common.update(deal_constexprs(cfg, seg, live_segments, num_segments))
         main_fn, main_grid = _shrink_segment_kernel, (seg.axis, seg.chunks, num_groups * r_tiles * n_split)
     else:
         main_fn, main_grid = _shrink_token_kernel, (num_tokens, num_groups, r_tiles * n_split)
