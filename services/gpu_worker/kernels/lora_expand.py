@@ -22,8 +22,8 @@ from .compiled_launch import CompiledLaunch
 from .launch_shapes import launch_shapes
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average
 from .lora_rows import (
-    check_pool_buffer, check_segments, check_tables, deal_constexprs, few_adapter_graph, load_adapter_tile,
-    module_slot, planned_segments, segment_chunk, segment_form,
+    busy_segments, check_pool_buffer, check_segments, check_tables, deal_constexprs, dealt_tile, few_adapter_graph,
+    load_adapter_tile, module_slot, planned_segments, segment_chunk, segment_form, segment_work,
 )
 
 
@@ -111,7 +111,7 @@ def _expand_segment_kernel(
         walk = True
         if DEAL:
             walk = n_seg > SEG_BLOCK
-            if n_seg <= SEG_BLOCK:
+            if not walk:
                 _expand_dealt(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
                               order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank,
                               n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R,
@@ -123,7 +123,7 @@ def _expand_segment_kernel(
                            C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, seg_pid, tl.program_id(1), HAS_ITEMS)
-        a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank,
+        a, rank, p_lo, p_hi = segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank,
                                             chunk_tokens)
         if (rank == 0) | (p_lo >= p_hi):
             return
@@ -143,7 +143,7 @@ def _expand_walked(
     """Program seg_pid of seg_programs walks segments seg_pid, seg_pid + seg_programs, ... whole (their chunk
     on the grid's second axis)."""
     for s in range(seg_pid, n_seg, seg_programs):
-        a, rank, p_lo, p_hi = _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, tl.program_id(1), m,
+        a, rank, p_lo, p_hi = segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, tl.program_id(1), m,
                                             y_rank, chunk_tokens)
         if (rank > 0) & (p_lo < p_hi):
             _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
@@ -160,44 +160,21 @@ def _expand_dealt(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
     HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, SEG_BLOCK: tl.constexpr,
 ):
-    """The busy segments' BLOCK_M-row token tiles numbered in segment order and dealt out in turn: program
-    seg_pid takes tiles seg_pid, seg_pid + seg_programs, ... . Walking whole segments, a graph's step over 5
-    adapters at batch 512 kept 5 of its 32 programs a column tile busy, each with ~7 tiles in a row; dealt, all
-    32 take one or two. The n_seg <= SEG_BLOCK segments' bounds, adapters and ranks are read as vectors once;
-    segments of rank 0 (base-only, or an adapter without this module) get no tiles."""
-    idx = tl.arange(0, SEG_BLOCK)
-    busy = idx < n_seg
-    lo = tl.load(seg_start_ptr + idx, mask=busy, other=0)
-    hi = tl.load(seg_start_ptr + idx + 1, mask=busy, other=0)
-    adapter = tl.load(seg_adapter_ptr + idx, mask=busy, other=-1)
-    rank = tl.load(ranks_ptr + tl.maximum(adapter, 0) * 7 + m, mask=busy & (adapter >= 0), other=0)
-    rank = tl.minimum(rank, y_rank)
+    """The busy segments' BLOCK_M-row token tiles dealt out in turn (dealt_tile). Walking whole segments, a
+    graph's step over 5 adapters at batch 512 kept 5 of its 32 programs a column tile busy, each with ~7 tiles
+    in a row; dealt, all 32 take one or two. Segments of rank 0 (base-only, or an adapter without this module)
+    get no tiles."""
+    idx, lo, hi, adapter, rank = busy_segments(seg_start_ptr, seg_adapter_ptr, ranks_ptr, n_seg, m, y_rank,
+                                               SEG_BLOCK)
     tiles = tl.where(rank > 0, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
-    ends = tl.cumsum(tiles, axis=0)  # tiles of segments 0..s together
-    total = tl.sum(tiles, axis=0)
-    for t in range(seg_pid, total, seg_programs):
-        s = tl.sum((ends <= t).to(tl.int32), axis=0)  # the segment whose tiles hold tile t
-        pick = idx == s
-        first_tile = tl.sum(tl.where(pick, ends - tiles, 0), axis=0)
-        p_lo = tl.sum(tl.where(pick, lo, 0), axis=0) + (t - first_tile) * BLOCK_M
-        p_hi = tl.minimum(tl.sum(tl.where(pick, hi, 0), axis=0), p_lo + BLOCK_M)
+    height = tl.full([SEG_BLOCK], BLOCK_M, tl.int32)
+    ends = tl.cumsum(tiles, axis=0)
+    for t in range(seg_pid, tl.sum(tiles, axis=0), seg_programs):
+        pick, p_lo, p_hi, _ = dealt_tile(idx, lo, hi, height, tiles, ends, t)
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, tl.sum(tl.where(pick, adapter, 0), axis=0), m, g,
                         tl.sum(tl.where(pick, rank, 0), axis=0), p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
                         BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
-
-
-@triton.jit
-def _segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank, chunk_tokens):
-    """Segment s's adapter (0 for base-only, whose rank is 0), its rank for module m, and the positions of
-    its token chunk `chunk`."""
-    a = tl.load(seg_adapter_ptr + s)
-    a_safe = tl.maximum(a, 0)
-    rank = tl.where(a >= 0, tl.minimum(tl.load(ranks_ptr + a_safe * 7 + m), y_rank), 0)
-    seg_end = tl.load(seg_start_ptr + s + 1)
-    p_lo = tl.load(seg_start_ptr + s) + chunk * chunk_tokens
-    p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
-    return a_safe, rank, p_lo, p_hi
 
 
 @triton.jit

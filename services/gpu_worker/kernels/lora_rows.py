@@ -57,6 +57,45 @@ def segment_chunk(items_ptr, stride_items, pid_item, pid_chunk, HAS_ITEMS: tl.co
 
 
 @triton.jit
+def segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, max_rank, chunk_tokens):
+    """Segment s's adapter (0 for base-only, whose rank is 0), its rank for module m, and the positions of
+    its token chunk `chunk`."""
+    a = tl.load(seg_adapter_ptr + s)
+    a_safe = tl.maximum(a, 0)
+    rank = tl.where(a >= 0, tl.minimum(tl.load(ranks_ptr + a_safe * 7 + m), max_rank), 0)
+    seg_end = tl.load(seg_start_ptr + s + 1)
+    p_lo = tl.load(seg_start_ptr + s) + chunk * chunk_tokens
+    p_hi = tl.minimum(seg_end, p_lo + chunk_tokens)
+    return a_safe, rank, p_lo, p_hi
+
+
+@triton.jit
+def busy_segments(seg_start_ptr, seg_adapter_ptr, ranks_ptr, n_seg, m, max_rank, SEG_BLOCK: tl.constexpr):
+    """segment_work for the first n_seg (<= SEG_BLOCK) segments at once, as vectors: what a program that is
+    dealt tiles (shrink's and expand's DEAL) reads once. Returns the index vector, the bounds, the adapters
+    and the ranks."""
+    idx = tl.arange(0, SEG_BLOCK)
+    busy = idx < n_seg
+    lo = tl.load(seg_start_ptr + idx, mask=busy, other=0)
+    hi = tl.load(seg_start_ptr + idx + 1, mask=busy, other=0)
+    adapter = tl.load(seg_adapter_ptr + idx, mask=busy, other=-1)
+    rank = tl.load(ranks_ptr + tl.maximum(adapter, 0) * 7 + m, mask=busy & (adapter >= 0), other=0)
+    return idx, lo, hi, tl.maximum(adapter, 0), tl.minimum(rank, max_rank)
+
+
+@triton.jit
+def dealt_tile(idx, lo, hi, height, tiles, ends, t):
+    """Tile t of the busy segments' tiles numbered in segment order (segment i has tiles[i] of height[i] rows,
+    ends[i] = tiles[0] + ... + tiles[i]): a mask over idx picking its segment, its positions and its height.
+    Program i of P is dealt tiles i, i + P, ... : a long segment spreads over the programs instead of keeping
+    one busy through all its tiles."""
+    pick = idx == tl.sum((ends <= t).to(tl.int32), axis=0)
+    h = tl.sum(tl.where(pick, height, 0), axis=0)
+    p_lo = tl.sum(tl.where(pick, lo, 0), axis=0) + (t - tl.sum(tl.where(pick, ends - tiles, 0), axis=0)) * h
+    return pick, p_lo, tl.minimum(tl.sum(tl.where(pick, hi, 0), axis=0), p_lo + h), h
+
+
+@triton.jit
 def module_slot(g, V0, V1, V2):
     """Per-module scalar of a fused group of up to three modules (q,k,v or gate,up)."""
     return tl.where(g == 0, V0, tl.where(g == 1, V1, V2))

@@ -25,8 +25,8 @@ from .compiled_launch import CompiledLaunch
 from .launch_shapes import launch_shapes
 from .lora_groups import PREFILL_CHUNK_TOKENS, full_on_average, long_on_average
 from .lora_rows import (
-    check_pool_buffer, check_segments, check_tables, deal_constexprs, few_adapter_graph, load_adapter_tile,
-    module_slot, planned_segments, segment_chunk, segment_form,
+    busy_segments, check_pool_buffer, check_segments, check_tables, deal_constexprs, dealt_tile, few_adapter_graph,
+    load_adapter_tile, module_slot, planned_segments, segment_chunk, segment_form, segment_work,
 )
 
 
@@ -140,7 +140,7 @@ def _shrink_segment_kernel(
         walk = True
         if DEAL:
             walk = n_seg > SEG_BLOCK
-            if n_seg <= SEG_BLOCK:
+            if not walk:
                 _shrink_dealt(x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr,
                               slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
                               num_tokens, W, n_chunks, max_rank, rows_p, n_seg, seg_programs, split, g, m, r_tile,
@@ -154,11 +154,12 @@ def _shrink_segment_kernel(
                            EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, tl.program_id(0), tl.program_id(1), HAS_ITEMS)
-        p_lo, p_hi = _segment_span(seg_start_ptr, s, chunk, chunk_tokens)
-        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_adapter_ptr, order_ptr, slots_ptr, stride_slots,
-                        ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot, num_tokens, W, n_chunks, max_rank,
-                        rows_p, s, p_lo, p_hi, p_hi - p_lo > long_from, split, g, m, r_tile, k_lo, k_hi, NUM_GROUPS,
-                        BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
+        a, rank, p_lo, p_hi = segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, max_rank,
+                                           chunk_tokens)
+        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots, a_off_ptr,
+                        out_ptr, stride_og, stride_ot, num_tokens, W, n_chunks, max_rank, rows_p, a, rank, p_lo, p_hi,
+                        p_hi - p_lo > long_from, split, g, m, r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R,
+                        BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
 
 
 @triton.jit
@@ -174,11 +175,12 @@ def _shrink_walked(
     """Program i of seg_programs walks segments i, i + seg_programs, ... whole (their chunk on the grid's
     second axis): fewer programs than segments leave no empty ones for a graph's unused segments."""
     for s in range(tl.program_id(0), n_seg, seg_programs):
-        p_lo, p_hi = _segment_span(seg_start_ptr, s, tl.program_id(1), chunk_tokens)
-        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_adapter_ptr, order_ptr, slots_ptr, stride_slots,
-                        ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot, num_tokens, W, n_chunks, max_rank,
-                        rows_p, s, p_lo, p_hi, p_hi - p_lo > long_from, split, g, m, r_tile, k_lo, k_hi, NUM_GROUPS,
-                        BLOCK_M, BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
+        a, rank, p_lo, p_hi = segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, tl.program_id(1), m,
+                                           max_rank, chunk_tokens)
+        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots, a_off_ptr,
+                        out_ptr, stride_og, stride_ot, num_tokens, W, n_chunks, max_rank, rows_p, a, rank, p_lo, p_hi,
+                        p_hi - p_lo > long_from, split, g, m, r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R,
+                        BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
 
 
 @triton.jit
@@ -191,56 +193,39 @@ def _shrink_dealt(
     PRECISION: tl.constexpr, BLOCK_M_LONG: tl.constexpr, SEG_BLOCK: tl.constexpr,
 ):
     """The busy segments' token tiles (BLOCK_M_LONG rows for a segment of more than long_from tokens when set,
-    BLOCK_M otherwise) numbered in segment order and dealt out in turn, as in the expand kernel's
-    _expand_dealt. Every segment's tiles are dealt, base-only ones too: each token's partial sums are stored
-    for the split's finalize."""
-    idx = tl.arange(0, SEG_BLOCK)
-    busy = idx < n_seg
-    lo = tl.load(seg_start_ptr + idx, mask=busy, other=0)
-    hi = tl.load(seg_start_ptr + idx + 1, mask=busy, other=0)
+    BLOCK_M otherwise) dealt out in turn (dealt_tile), as in the expand kernel's _expand_dealt. Every segment's
+    tiles are dealt, base-only ones too: each token's partial sums are stored for the split's finalize."""
+    idx, lo, hi, adapter, rank = busy_segments(seg_start_ptr, seg_adapter_ptr, ranks_ptr, n_seg, m, max_rank,
+                                               SEG_BLOCK)
     if BLOCK_M_LONG > 0:
         height = tl.where(hi - lo > long_from, BLOCK_M_LONG, BLOCK_M)
     else:
         height = tl.full([SEG_BLOCK], BLOCK_M, tl.int32)
     tiles = (hi - lo + height - 1) // height
-    ends = tl.cumsum(tiles, axis=0)  # tiles of segments 0..s together
+    ends = tl.cumsum(tiles, axis=0)
     for t in range(tl.program_id(0), tl.sum(tiles, axis=0), seg_programs):
-        s = tl.sum((ends <= t).to(tl.int32), axis=0)  # the segment whose tiles hold tile t
-        pick = idx == s
-        h = tl.sum(tl.where(pick, height, 0), axis=0)
-        p_lo = tl.sum(tl.where(pick, lo, 0), axis=0) + (t - tl.sum(tl.where(pick, ends - tiles, 0), axis=0)) * h
-        p_hi = tl.minimum(tl.sum(tl.where(pick, hi, 0), axis=0), p_lo + h)
-        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, seg_adapter_ptr, order_ptr, slots_ptr, stride_slots,
-                        ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot, num_tokens, W, n_chunks, max_rank,
-                        rows_p, s, p_lo, p_hi, h > BLOCK_M, split, g, m, r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M,
-                        BLOCK_R, BLOCK_K, ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
-
-
-@triton.jit
-def _segment_span(seg_start_ptr, s, chunk, chunk_tokens):
-    """Positions of segment s's token chunk `chunk`."""
-    p_lo = tl.load(seg_start_ptr + s) + chunk * chunk_tokens
-    return p_lo, tl.minimum(tl.load(seg_start_ptr + s + 1), p_lo + chunk_tokens)
+        pick, p_lo, p_hi, h = dealt_tile(idx, lo, hi, height, tiles, ends, t)
+        _shrink_segment(x_ptr, stride_xt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots, a_off_ptr,
+                        out_ptr, stride_og, stride_ot, num_tokens, W, n_chunks, max_rank, rows_p,
+                        tl.sum(tl.where(pick, adapter, 0), axis=0), tl.sum(tl.where(pick, rank, 0), axis=0), p_lo,
+                        p_hi, h > BLOCK_M, split, g, m, r_tile, k_lo, k_hi, NUM_GROUPS, BLOCK_M, BLOCK_R, BLOCK_K,
+                        ALIGNED, EVEN, SPLIT, HAS_ORDER, PRECISION, BLOCK_M_LONG)
 
 
 @triton.jit
 def _shrink_segment(
-    x_ptr, stride_xt, buf_ptr, stride_buf, seg_adapter_ptr, order_ptr,
-    slots_ptr, stride_slots, ranks_ptr, a_off_ptr, out_ptr, stride_og, stride_ot,
-    num_tokens, W, n_chunks, max_rank, rows_p, s, p_lo, p_hi, long, split, g, m, r_tile, k_lo, k_hi,
+    x_ptr, stride_xt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots, a_off_ptr, out_ptr, stride_og,
+    stride_ot, num_tokens, W, n_chunks, max_rank, rows_p, a, rank, p_lo, p_hi, long, split, g, m, r_tile, k_lo, k_hi,
     NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr, HAS_ORDER: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M_LONG: tl.constexpr,
 ):
-    """Positions p_lo..p_hi of segment s, for one program's (module, rank tile, input split), in BLOCK_M_LONG-row
-    tiles where `long` (with BLOCK_M_LONG set) and BLOCK_M-row ones otherwise: a graph's segment lengths change
-    from replay to replay, and a long one read in BLOCK_M-row tiles reads the adapter's rows once a tile."""
-    a = tl.load(seg_adapter_ptr + s)
-    a_safe = tl.maximum(a, 0)
-    rank = tl.load(ranks_ptr + a_safe * 7 + m)
-    rank = tl.where(a >= 0, tl.minimum(rank, max_rank), 0)
-    first = tl.load(a_off_ptr + a_safe * 7 + m)
-    list_ptr = slots_ptr + a_safe.to(tl.int64) * stride_slots
+    """Positions p_lo..p_hi of adapter a's segment (rank 0: base-only), for one program's (module, rank tile,
+    input split), in BLOCK_M_LONG-row tiles where `long` (with BLOCK_M_LONG set) and BLOCK_M-row ones otherwise:
+    a graph's segment lengths change from replay to replay, and a long one read in BLOCK_M-row tiles reads the
+    adapter's rows once a tile."""
+    first = tl.load(a_off_ptr + a * 7 + m)
+    list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
     # Constexpr branches (a Python bool would become a tensor): a launch of one tile height compiles that
     # height alone.
     if BLOCK_M_LONG > 0:
