@@ -156,8 +156,13 @@ async def arun_point(base_url: str, spec: PointSpec, model_for: Callable[[TraceR
         write_records(Path(records_path), records)
     point = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(spec).items()}
     point.update(n_requests=len(trace), offered_rps=len(trace) / spec.duration_s)
-    point.update(summarize(records, spec.warmup_s, slo_s=slo_s, duration_s=spec.duration_s))
+    figures = summarize(records, spec.warmup_s, slo_s=slo_s, duration_s=spec.duration_s)
+    point.update(figures)
     point.update(server)
+    # Arrivals count from the trace's start, a few milliseconds after `t`: the window's busy share is read
+    # over [t + warmup, t + warmup + window], the same span the throughput divides by.
+    window_lo = t + spec.warmup_s
+    point.update(sampler.busy_within(window_lo, window_lo + figures["window_s"]))
     point.update(roofline_fraction=None, gpu=gpu_name(), **versions(), date=started.date().isoformat(),
                  started_at=started.isoformat(timespec="seconds"), wall_s=wall_s,
                  command=command if command is not None else shlex.join(sys.argv))

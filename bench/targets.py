@@ -83,9 +83,16 @@ def absolute(points: dict, setting: str, n: int, floor_rps: float) -> Verdict:
     status = "met" if rps >= floor_rps else f"missed: {rps / floor_rps:.2f} of it"
     if roof and floor_rps > roof:
         status += ", beyond the roofline"
-    if rps < floor_rps and p.get("gpu_busy_mean") is not None:
-        status += f"; GPU busy {p['gpu_busy_mean']:.0%} of the point"
+    if rps < floor_rps and gpu_busy(p) is not None:
+        status += f"; GPU busy {gpu_busy(p):.0%} of the point"
     return Verdict(target, f"{rps:.1f} req/s ({_day(p)})", bound, status)
+
+
+def gpu_busy(p: dict) -> float | None:
+    """A line's busy share over its measured window; older lines carry only the whole run's,
+    warm-up included."""
+    window = p.get("gpu_busy_window_mean")
+    return window if window is not None else p.get("gpu_busy_mean")
 
 
 def one_run(a: dict, b: dict) -> bool:
@@ -123,9 +130,9 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
         status = f"not comparable: running batches {a['batch']} and {b['batch']} (measure both at one)"
     if measured < factor and a.get("worker_steps") and b.get("worker_steps"):
         status += f"; {where_the_time_goes(a['worker_steps'], b['worker_steps'])}"
-    if measured < factor and a.get("gpu_busy_mean") is not None and b.get("gpu_busy_mean") is not None:
+    if measured < factor and gpu_busy(a) is not None and gpu_busy(b) is not None:
         # Below 100% the GPU waited on the host: time no kernel can win back.
-        status += f"; GPU busy {a['gpu_busy_mean']:.0%} vs {b['gpu_busy_mean']:.0%}"
+        status += f"; GPU busy {gpu_busy(a):.0%} vs {gpu_busy(b):.0%}"
     return Verdict(target, text, bound, status)
 
 

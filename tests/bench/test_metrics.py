@@ -261,3 +261,31 @@ echo "200, 81559, 7"
     assert report["gpu_busy_samples"] == len(expected)
     assert report["gpu_busy_mean"] == pytest.approx(sum(expected) / len(expected))
     assert report["gpu_busy_min"] == 0.9
+
+
+def test_the_busy_share_of_a_window_leaves_out_the_samples_before_and_after_it(tmp_path):
+    """busy_within() takes the samples read inside a span of monotonic time alone: a point's warm-up, when the
+    GPU idles until requests arrive, no longer pulls its measured window's share down."""
+    counter = tmp_path / "calls"
+    counter.write_text("0")
+    smi = tmp_path / "nvidia-smi"
+    # Stand-in for the driver's tool: idle for two calls (the warm-up), then 80%, 100%, then idle again.
+    smi.write_text(f"""#!/bin/sh
+n=$(cat {counter}); echo $((n + 1)) > {counter}
+case $n in 0|1) b=0;; 2) b=80;; 3) b=100;; *) b=0;; esac
+echo "1000, 81559, $b"
+""")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    sampler = ServerSampler("http://127.0.0.1:1", nvidia_smi=str(smi))
+    marks = []
+    for call in range(5):
+        if call in (2, 4):
+            marks.append(time.monotonic())
+        sampler._gpu_memory(busy=True)
+    report = sampler.report()
+    assert report["gpu_busy_samples"] == 5 and report["gpu_busy_mean"] == pytest.approx(0.36)
+    window = sampler.busy_within(*marks)
+    assert window == {"gpu_busy_window_mean": pytest.approx(0.9), "gpu_busy_window_min": 0.8,
+                      "gpu_busy_window_samples": 2}
+    assert sampler.busy_within(marks[1] + 60, marks[1] + 120) == {
+        "gpu_busy_window_mean": None, "gpu_busy_window_min": None, "gpu_busy_window_samples": 0}

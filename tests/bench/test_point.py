@@ -75,6 +75,9 @@ def test_point_line_matches_its_records(core_stack, tmp_path):
     # and where its worker's time went: prompts were prefilled and tokens decoded.
     steps = point["worker_steps"]
     assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["prefill"]["tokens"] >= 4
+    # The GPU's busy share over the measured window is read from the samples inside it (none without a GPU).
+    assert 0 <= point["gpu_busy_window_samples"] <= point["gpu_busy_samples"]
+    assert (point["gpu_busy_window_mean"] is None) == (point["gpu_busy_window_samples"] == 0)
 
 
 def test_default_command_is_this_process(core_stack):

@@ -186,6 +186,12 @@ def test_a_missed_target_names_how_busy_the_gpu_was(tmp_path):
     assert v["S2 n = 2000 ≥ 0.9 × n = 5"].status.endswith("; GPU busy 93% vs 99%")
     # Met, or one line without the figure: nothing to add.
     assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "met"
+    # A line that carries its measured window's share is judged by it, not by the whole run's.
+    write(sat, [line("loraplex", 2000, 24.0, 41.1, gpu_busy_mean=0.88, gpu_busy_window_mean=0.96),
+                line("loraplex", 5, 30.0, 48.2, gpu_busy_mean=0.99)])
+    v = {x.target: x for x in verdicts([str(sat)])}
+    assert v["S2 n = 2000 ≥ 30 req/s"].status == "missed: 0.80 of it; GPU busy 96% of the point"
+    assert v["S2 n = 2000 ≥ 0.9 × n = 5"].status.endswith("; GPU busy 96% vs 99%")
 
 
 def test_lines_that_record_the_attainable_throughput_say_how_much_of_the_roofline_it_allows(tmp_path):
