@@ -85,6 +85,8 @@ def absolute(points: dict, setting: str, n: int, floor_rps: float) -> Verdict:
         status += ", beyond the roofline"
     if rps < floor_rps and gpu_busy(p) is not None:
         status += f"; GPU busy {gpu_busy(p):.0%} of the point"
+    if rps < floor_rps and steps_against_floors(p):
+        status += f"; {steps_against_floors(p)}"
     return Verdict(target, f"{rps:.1f} req/s ({_day(p)})", bound, status)
 
 
@@ -166,6 +168,21 @@ def where_the_time_goes(a: dict, b: dict) -> str:
     return ", ".join(parts)
 
 
+def steps_against_floors(line: dict) -> str:
+    """Where a point's worker time went, kind by kind: the mean step, its share of step time and how near it
+    ran to its floor (bench/step_floor.py), and the throughput the same steps would give at their floors, the
+    point's divided by the step time's share its floors make up (lines from 2026-12-05 carry the floors; ""
+    for a line without them)."""
+    steps = line.get("worker_steps") or {}
+    ran = [(name, steps[kind]) for kind, name in KINDS if (steps.get(kind) or {}).get("steps")]
+    if not ran or any(s.get("of_floor") is None or s.get("share") is None for _, s in ran):
+        return ""
+    parts = [f"{name} steps {s['mean_ms']:.1f} ms ({s['share']:.0%} of step time) at {s['of_floor']:.2f} of their "
+             f"{s['floor_ms']:.1f} ms floor" for name, s in ran]
+    at_floors = sum(s["share"] * s["of_floor"] for _, s in ran)
+    return (", ".join(parts) + f"; the same steps at their floors: {line['throughput_rps'] / at_floors:.1f} req/s")
+
+
 def roofline_fractions(points: dict) -> Verdict:
     lines = sorted((k, p) for k, p in points.items() if k[1] == "loraplex" and p.get("roofline_fraction") is not None)
     if not lines:
@@ -174,6 +191,10 @@ def roofline_fractions(points: dict) -> Verdict:
     met = [f"{s} n = {n}" for (s, _, n), p in lines if p["roofline_fraction"] >= ROOFLINE_TARGET]
     status = "met at every point" if len(met) == len(lines) else (
         f"met at {', '.join(met)}" if met else "missed at every point")
+    # Where the time of each point under the target went, for the lines that carry their steps' floors.
+    for (s, _, n), p in lines:
+        if p["roofline_fraction"] < ROOFLINE_TARGET and steps_against_floors(p):
+            status += f"; {s} n = {n}: {steps_against_floors(p)}"
     return Verdict(f"≥ {ROOFLINE_TARGET:.0%} of the roofline", "; ".join(parts), "", status)
 
 
