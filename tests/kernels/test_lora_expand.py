@@ -66,6 +66,49 @@ def test_expand_whole_rank_a_step_over_pipelined_column_tiles(form, group):
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS[group], seed=41, config=config)
 
 
+@pytest.mark.parametrize("form, programs", [("grouped", 0), ("grouped", 2), ("segments", 0)])
+@pytest.mark.parametrize("group, block_r, tiles", [("qkv", 16, 3), ("down", 32, 2), ("qkv", 64, 1)])
+def test_expand_tiles_and_rank_steps_in_one_loop_add_the_same_bits_as_nested_loops(form, programs, group, block_r,
+                                                                                   tiles):
+    # flat: a program's column tiles times its rank steps as one loop. Ranks 1, 7 and 64 take one to four steps
+    # of 16 rows; the last column group of a module runs partly past its end (three 16-column tiles). Each tile
+    # is summed over the same steps in the same order, so the outputs are the nested loops' bit for bit.
+    modules = GROUPS[group]
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=47)
+    gen = torch.Generator().manual_seed(48)
+    token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
+    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in modules)
+    max_rank = lp.max_rank(token_adapter, modules)
+    y = torch.randn(len(modules), token_adapter.shape[0], max_rank, generator=gen)
+    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
+    outs = []
+    for flat in (False, True):
+        config = ExpandConfig(block_r=block_r, block_n=16, tiles_per_prog=tiles,
+                              chunk_tokens=16 if form == "segments" else 0, segment_programs=programs, flat=flat)
+        out = base.clone()
+        lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, out, out_dims, config=config, **kwargs)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = base.clone()
+    reference.lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, ref, out_dims)
+    assert_matches(outs[1] - base, ref - base, torch.float32)
+    untouched = token_adapter < 0
+    assert torch.equal(outs[1][untouched], base[untouched]), "base-only tokens' outputs changed"
+
+
+def test_expand_loops_over_its_column_tiles_one_way_at_a_time():
+    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=49)
+    gen = torch.Generator().manual_seed(50)
+    token_adapter, kwargs = make_batch("grouped", lp.num_adapters, gen)
+    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in GROUPS["qkv"])
+    y = torch.randn(3, token_adapter.shape[0], 64, generator=gen)
+    out = torch.zeros(token_adapter.shape[0], sum(out_dims))
+    config = ExpandConfig(block_r=64, block_n=16, rank_whole=True, flat=True)
+    with pytest.raises(ValueError, match="rank_whole and flat"):
+        lora_expand(y, lp.v_buf, token_adapter, lp.tables, GROUPS["qkv"], out, out_dims, config=config, **kwargs)
+    assert not out.any()
+
+
 def test_expand_whole_rank_needs_a_step_covering_the_batch_ranks():
     lp = LoraPool(ALIGNED_CFG, torch.float32, seed=43)
     gen = torch.Generator().manual_seed(44)
@@ -171,6 +214,17 @@ def test_a_graphs_launch_walks_several_column_tiles_a_program():
         assert choose_expand_config(**{**common, "max_rank": 16}).block_r == 16
         assert not choose_expand_config(**common, live_segments=32, segment_programs=32).rank_whole
         assert not choose_expand_config(**common, max_seg_len=3).rank_whole
+    # expand_flat: one loop over the tiles and rank steps, in the graphs planned for every segment only, and
+    # not with the whole rank a step.
+    assert not graph.flat
+    with launch_shapes_set("expand_flat"):
+        flat = choose_expand_config(**common)
+        assert (flat.flat, flat.block_r, flat.tiles_per_prog) == (True, 16, 4)
+        assert not choose_expand_config(**common, live_segments=32, segment_programs=32).flat
+        assert not choose_expand_config(**common, max_seg_len=3).flat
+    with launch_shapes_set("expand_flat,expand_rank_whole"):
+        both = choose_expand_config(**common)
+        assert both.rank_whole and not both.flat
     # Its ranks are stepped 16 rows at a time (many adapters' mixed ranks); a few-adapter graph's programs,
     # which share the segments out, keep 32-row steps.
     assert graph.block_r == 16
