@@ -35,9 +35,9 @@ Words, comma-separated:
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
                         2026-12-04 19:22)
-  expand_flat           in a decode graph planned for every segment, a LoRA expand program runs its column tiles
+  expand_flat           a LoRA expand program of the segment form (decode graphs, prefill) runs its column tiles
                         and rank steps as one loop, so the pipeline loads the next tile's rows while this one's
-                        are summed (ExpandConfig.flat; off until timed on the H200)
+                        are summed (ExpandConfig.flat; not with expand_rank_whole; off until timed on the H200)
   no_<word>             turns off a word that is on by default, as no_split_mixed, or a number that is
                         (no_graph_few_shrink_long)
 

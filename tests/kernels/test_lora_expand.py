@@ -1,6 +1,7 @@
 """Triton LoRA expand against ops.reference.lora_expand on a real packed pool: in place, fused groups."""
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -214,14 +215,16 @@ def test_a_graphs_launch_walks_several_column_tiles_a_program():
         assert choose_expand_config(**{**common, "max_rank": 16}).block_r == 16
         assert not choose_expand_config(**common, live_segments=32, segment_programs=32).rank_whole
         assert not choose_expand_config(**common, max_seg_len=3).rank_whole
-    # expand_flat: one loop over the tiles and rank steps, in the graphs planned for every segment only, and
-    # not with the whole rank a step.
+    # expand_flat: one loop over the tiles and rank steps in every segment launch (the shapes as without it),
+    # not with the whole rank a step, and not in the per-token form, which has no such loop.
     assert not graph.flat
+    launches = (dict(), dict(live_segments=32, segment_programs=32), dict(max_seg_len=3), dict(max_seg_len=300))
     with launch_shapes_set("expand_flat"):
-        flat = choose_expand_config(**common)
-        assert (flat.flat, flat.block_r, flat.tiles_per_prog) == (True, 16, 4)
-        assert not choose_expand_config(**common, live_segments=32, segment_programs=32).flat
-        assert not choose_expand_config(**common, max_seg_len=3).flat
+        flat = [choose_expand_config(**common, **kwargs) for kwargs in launches]
+        assert not choose_expand_config(**{**common, "segmented": False}).flat
+    assert (flat[0].flat, flat[0].block_r, flat[0].tiles_per_prog) == (True, 16, 4)
+    for config, kwargs in zip(flat, launches):
+        assert config.flat and dataclasses.replace(config, flat=False) == choose_expand_config(**common, **kwargs)
     with launch_shapes_set("expand_flat,expand_rank_whole"):
         both = choose_expand_config(**common)
         assert both.rank_whole and not both.flat

@@ -384,8 +384,8 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         # few-adapter graphs, two tiles lost 5-14% with them.
         # kernel_shapes' expand_rank_whole: the graph's whole rank in one step (rank buckets reach 64).
         whole = graph_wide and shapes.expand_rank_whole and max_rank <= 64
-        # kernel_shapes' expand_flat: the graph's column tiles and rank steps in one pipelined loop.
-        flat = graph_bound and shapes.expand_flat and not whole
+        # kernel_shapes' expand_flat: every segment launch's column tiles and rank steps in one pipelined loop.
+        flat = shapes.expand_flat and not whole
         if whole:
             block_r = max(16, next_pow2(max_rank))
         else:
