@@ -67,13 +67,15 @@ def test_expand_whole_rank_a_step_over_pipelined_column_tiles(form, group):
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS[group], seed=41, config=config)
 
 
-@pytest.mark.parametrize("form, programs", [("grouped", 0), ("grouped", 2), ("segments", 0)])
+@pytest.mark.parametrize("form, programs, chunk", [("grouped", 0, 0), ("grouped", 2, 0), ("segments", 0, 16),
+                                                   ("segments", 0, 0), ("segments", 2, 0)])
 @pytest.mark.parametrize("group, block_r, tiles", [("qkv", 16, 3), ("down", 32, 2), ("qkv", 64, 1)])
-def test_expand_tiles_and_rank_steps_in_one_loop_add_the_same_bits_as_nested_loops(form, programs, group, block_r,
-                                                                                   tiles):
-    # flat: a program's column tiles times its rank steps as one loop. Ranks 1, 7 and 64 take one to four steps
-    # of 16 rows; the last column group of a module runs partly past its end (three 16-column tiles). Each tile
-    # is summed over the same steps in the same order, so the outputs are the nested loops' bit for bit.
+def test_expand_tiles_and_rank_steps_in_one_loop_add_the_same_bits_as_nested_loops(form, programs, chunk, group,
+                                                                                   block_r, tiles):
+    # flat: a program's token tiles, column tiles and rank steps as one loop. Ranks 1, 7 and 64 take one to four
+    # steps of 16 rows; the last column group of a module runs partly past its end (three 16-column tiles); a
+    # 21-token segment walked whole is two 16-row token tiles. Each output tile is summed over the same steps in
+    # the same order, so the outputs are the nested loops' bit for bit.
     modules = GROUPS[group]
     lp = LoraPool(ALIGNED_CFG, torch.float32, seed=47)
     gen = torch.Generator().manual_seed(48)
@@ -84,8 +86,8 @@ def test_expand_tiles_and_rank_steps_in_one_loop_add_the_same_bits_as_nested_loo
     base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
     outs = []
     for flat in (False, True):
-        config = ExpandConfig(block_r=block_r, block_n=16, tiles_per_prog=tiles,
-                              chunk_tokens=16 if form == "segments" else 0, segment_programs=programs, flat=flat)
+        config = ExpandConfig(block_r=block_r, block_n=16, tiles_per_prog=tiles, chunk_tokens=chunk,
+                              segment_programs=programs, flat=flat)
         out = base.clone()
         lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, out, out_dims, config=config, **kwargs)
         outs.append(out)

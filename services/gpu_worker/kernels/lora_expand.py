@@ -192,25 +192,27 @@ def _expand_segment(
     n_chunks = (out_dim + W - 1) // W
     y_base = y_ptr + g.to(tl.int64) * stride_yg
     col0 = module_slot(g, C0, C1, C2)
-    for p0 in range(p_lo, p_hi, BLOCK_M):
-        pos = p0 + tl.arange(0, BLOCK_M)
-        p_mask = pos < p_hi
-        if HAS_ORDER:
-            tok = tl.load(order_ptr + pos, mask=p_mask, other=0)
-        else:
-            tok = pos
-        o_rows = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + col0
-        y_rows = y_base + tok.to(tl.int64)[:, None] * stride_yt
-        if RANK_WHOLE:
-            # Every rank fits one BLOCK_R step: the token tile's y rows are read once, and the column tiles are
-            # the program's innermost loop, so the next tile's Bᵀ rows and outputs can be loaded while this
-            # one's are summed (a decode segment's rank loop has only one to four steps to overlap).
-            whole = tl.arange(0, BLOCK_R)
-            y_whole = tl.load(y_rows + whole[None, :], mask=p_mask[:, None] & (whole < rank)[None, :], other=0.0)
-        if FLAT:
-            _expand_flat(y_rows, o_rows, buf_ptr, stride_buf, list_ptr, first, W, n_chunks, rank, p_mask, n_lo, n_hi,
-                         out_dim, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, PRECISION)
-        else:
+    if FLAT:
+        _expand_flat(y_base, stride_yt, out_ptr + col0, stride_ot, order_ptr, buf_ptr, stride_buf, list_ptr, first, W,
+                     n_chunks, rank, p_lo, p_hi, n_lo, n_hi, out_dim, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN,
+                     HAS_ORDER, PRECISION)
+    else:
+        for p0 in range(p_lo, p_hi, BLOCK_M):
+            pos = p0 + tl.arange(0, BLOCK_M)
+            p_mask = pos < p_hi
+            if HAS_ORDER:
+                tok = tl.load(order_ptr + pos, mask=p_mask, other=0)
+            else:
+                tok = pos
+            o_rows = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + col0
+            y_rows = y_base + tok.to(tl.int64)[:, None] * stride_yt
+            if RANK_WHOLE:
+                # Every rank fits one BLOCK_R step: the token tile's y rows are read once, and the column tiles
+                # are the program's innermost loop, so the next tile's Bᵀ rows and outputs can be loaded while
+                # this one's are summed (a decode segment's rank loop has only one to four steps to overlap).
+                whole = tl.arange(0, BLOCK_R)
+                y_whole = tl.load(y_rows + whole[None, :], mask=p_mask[:, None] & (whole < rank)[None, :],
+                                  other=0.0)
             # Each Bᵀ tile is read once for all of the segment's tokens in this token tile.
             for n0 in range(n_lo, n_hi, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
@@ -236,37 +238,49 @@ def _expand_segment(
 
 
 @triton.jit
-def _expand_flat(y_rows, o_rows, buf_ptr, stride_buf, list_ptr, first, W, n_chunks, rank, p_mask, n_lo, n_hi, out_dim,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                 ALIGNED: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr):
-    """One token tile's column tiles and rank steps as a single loop, (tile 0, step 0), (tile 0, step 1), ...
-    (tile 1, step 0), ...: a decode segment's rank loop has one to four steps, too few for the pipeline to load
-    the next Bᵀ rows while this step's are summed, whereas a program's tiles times its steps are a loop as long as
-    shrink's input loop. The body has no branch, so every load is one the pipeline can issue ahead: a tile's
-    outputs are read and written under the mask of its last step (other steps' masked loads move no bytes), and
-    its sum restarts from zero after that step. Each tile is summed over the same steps in the same order as the
-    nested loops, so the outputs are theirs bit for bit."""
+def _expand_flat(y_base, stride_yt, out_base, stride_ot, order_ptr, buf_ptr, stride_buf, list_ptr, first, W, n_chunks,
+                 rank, p_lo, p_hi, n_lo, n_hi, out_dim,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr,
+                 EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr):
+    """A segment's token tiles, column tiles and rank steps as a single loop, in the nested loops' order (token
+    tile, then column tile, then rank step): a decode segment's rank loop has one to four steps, too few for the
+    pipeline to load the next Bᵀ rows while this step's are summed, whereas the program's whole walk is a loop as
+    long as shrink's input loop (a one-token segment's column tiles times its rank steps; a few-adapter graph's
+    ~100-token segment, its token tiles too). The body has no branch, so every load is one the pipeline can issue
+    ahead: a tile's outputs are read and written under the mask of its last rank step (other steps' masked loads
+    move no bytes), and its sum restarts from zero after that step. Each output tile is summed over the same steps
+    in the same order as the nested loops, so the outputs are theirs bit for bit."""
     steps = (rank + BLOCK_R - 1) // BLOCK_R
     tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
+    per_rows = tiles * steps
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i in range(0, tiles * steps):
-        tile = i // steps
-        r0 = (i - tile * steps) * BLOCK_R
+    for i in range(0, (p_hi - p_lo + BLOCK_M - 1) // BLOCK_M * per_rows):
+        row_tile = i // per_rows
+        tile = (i - row_tile * per_rows) // steps
+        r0 = (i - row_tile * per_rows - tile * steps) * BLOCK_R
         last = r0 + BLOCK_R >= rank
+        pos = p_lo + row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        p_mask = pos < p_hi
+        if HAS_ORDER:
+            tok = tl.load(order_ptr + pos, mask=p_mask, other=0)
+        else:
+            tok = pos
         n0 = n_lo + tile * BLOCK_N
         cols = n0 + tl.arange(0, BLOCK_N)
         rows = r0 + tl.arange(0, BLOCK_R)
         row_mask = rows < rank
-        yt = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & row_mask[None, :], other=0.0)
+        yt = tl.load(y_base + tok.to(tl.int64)[:, None] * stride_yt + rows[None, :],
+                     mask=p_mask[:, None] & row_mask[None, :], other=0.0)
         w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W, n_chunks,
                               BLOCK_N, ALIGNED, EVEN)
         if EVEN:
             mask = p_mask[:, None] & last
         else:
             mask = p_mask[:, None] & (cols < out_dim)[None, :] & last
-        o = tl.load(o_rows + cols[None, :], mask=mask, other=0.0)
+        o_ptrs = out_base + tok.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+        o = tl.load(o_ptrs, mask=mask, other=0.0)
         acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
-        tl.store(o_rows + cols[None, :], (o.to(tl.float32) + acc).to(o_rows.dtype.element_ty), mask=mask)
+        tl.store(o_ptrs, (o.to(tl.float32) + acc).to(out_base.dtype.element_ty), mask=mask)
         acc = tl.where(last, 0.0, acc)
 
 
