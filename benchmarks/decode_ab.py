@@ -1,14 +1,16 @@
-"""One decode step under two launch-shape settings (the worker's kernel_shapes), timed on one engine in
-alternating rounds, so the machine's drift over a run (clocks, heat: 1-2% on every kernel between two
-profiles minutes apart on the H200) falls on both alike. Rounds go A B, B A, A B, ...; each setting keeps
-its own CUDA graphs, captured at its first round and left out of the timing.
+"""One decode step under two or more launch-shape settings (the worker's kernel_shapes), timed on one engine
+in alternating rounds, so the machine's drift over a run (clocks, heat: 1-2% on every kernel between two
+profiles minutes apart on the H200) falls on all alike. Rounds go A B, B A, A B, ... (with more settings,
+A B C, C B A, ...); each setting keeps its own CUDA graphs, captured at its first round and left out of the
+timing. Each further --b is another setting (C, D, ...) on the same engine: one model load and prefill for all.
 
     python benchmarks/decode_ab.py --model llama3-8b --batch 512 --adapters 100 --prompt-len 384 \
         --a graph_expand_tiles=2 --b "" --out ab.json
     python benchmarks/decode_ab.py --smoke --out /tmp/ab.json   # CPU, tiny model: checks the script runs
 
 The result: each setting's milliseconds a step per round, their medians, and the median of the paired
-differences B - A (each round's B against the A next to it).
+differences against A (each round's B against the A next to it; `median_minus_a_ms` and `over_a` for every
+setting, `median_b_minus_a_ms` and `b_over_a` for B).
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ def main() -> int:
     p.add_argument("--adapters", type=int, default=100, help="distinct adapters, one per request in turn (0: base only)")
     p.add_argument("--prompt-len", type=int, default=384)
     p.add_argument("--a", default="", help="kernel_shapes of setting A (empty: the defaults)")
-    p.add_argument("--b", default="", help="kernel_shapes of setting B")
+    p.add_argument("--b", action="append", default=None,
+                   help="kernel_shapes of setting B (empty: the defaults); again for C, D, ...")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=4, help="decode steps timed a round")
     p.add_argument("--out", required=True)
@@ -75,13 +78,16 @@ def main() -> int:
     args = p.parse_args()
     if args.smoke:
         args.batch, args.adapters, args.prompt_len, args.rounds, args.steps = 4, 3, 8, 2, 2
-    settings = {"A": LaunchShapes.parse(args.a), "B": LaunchShapes.parse(args.b)}  # a bad word fails here
+    others = args.b if args.b is not None else [""]
+    words = {"A": args.a, **{chr(ord("B") + i): text for i, text in enumerate(others)}}
+    settings = {label: LaunchShapes.parse(text) for label, text in words.items()}  # a bad word fails here
+    labels = list(settings)
     engine, names = build(args)
     # Every request lasts the whole run (the batch never shrinks to another graph's size), counting the decode
     # steps the first admitted run during the others' prefill (at most one a prefill step, at most one prefill
     # step a request). Each round also runs one untimed step after switching settings (a first capture falls
     # there).
-    decode_steps = args.rounds * 2 * (args.steps + 1) + 2
+    decode_steps = args.rounds * len(labels) * (args.steps + 1) + 2
     for i in range(args.batch):
         engine.add_request(EngineRequest(f"r{i}", [5 + i % 100] * args.prompt_len,
                                          SamplingParams(max_tokens=decode_steps + args.batch + 8, ignore_eos=True),
@@ -92,10 +98,11 @@ def main() -> int:
     check_one_context_bucket(longest, decode_steps, engine.page_table.max_len)
     for _ in range(2):
         engine.step()
-    graphs = {"A": engine.graphs.graphs if engine.graphs is not None else None, "B": {}}
-    times: dict[str, list[float]] = {"A": [], "B": []}
+    graphs = {label: {} for label in labels}
+    graphs["A"] = engine.graphs.graphs if engine.graphs is not None else None
+    times: dict[str, list[float]] = {label: [] for label in labels}
     for r in range(args.rounds):
-        for label in ("A", "B") if r % 2 == 0 else ("B", "A"):
+        for label in labels if r % 2 == 0 else labels[::-1]:
             set_launch_shapes(settings[label])
             if engine.graphs is not None:
                 engine.graphs.graphs = graphs[label]
@@ -108,18 +115,18 @@ def main() -> int:
             times[label].append((time.perf_counter() - t0) / args.steps * 1e3)
             if len(engine.running) != args.batch:
                 raise RuntimeError(f"{len(engine.running)} requests running after round {r + 1}, not {args.batch}")
-        print(f"round {r + 1}/{args.rounds}: A {times['A'][-1]:.3f} ms, B {times['B'][-1]:.3f} ms a step",
-              file=sys.stderr, flush=True)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{label} {times[label][-1]:.3f} ms" for label in labels)
+              + " a step", file=sys.stderr, flush=True)
     set_launch_shapes(LaunchShapes())
-    paired = [b - a for a, b in zip(times["A"], times["B"])]
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    minus_a = {k: statistics.median([x - a for a, x in zip(times["A"], v)]) for k, v in times.items() if k != "A"}
+    over_a = {k: medians[k] / medians["A"] for k in minus_a}
     result = {"model": "tiny" if args.smoke else args.model, "batch": args.batch, "adapters": args.adapters,
               "prompt_len": args.prompt_len, "longest_context": [longest, longest + decode_steps], "a": args.a,
-              "b": args.b, "rounds": args.rounds, "steps": args.steps,
+              "b": others[0], "settings": words, "rounds": args.rounds, "steps": args.steps,
               "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "step_ms": times,
-              "median_ms": {k: statistics.median(v) for k, v in times.items()},
-              "median_b_minus_a_ms": statistics.median(paired)}
-    result["b_over_a"] = result["median_ms"]["B"] / result["median_ms"]["A"]
+              "torch": torch.__version__, "step_ms": times, "median_ms": medians, "median_minus_a_ms": minus_a,
+              "over_a": over_a, "median_b_minus_a_ms": minus_a["B"], "b_over_a": over_a["B"]}
     # What a decode step's LoRA kernels must read (the same under both settings): over the copy ceiling, the
     # floor of their share of the step.
     stats = engine.step_stats
@@ -129,10 +136,11 @@ def main() -> int:
     result["adapter_rows_gb_a_step"] = rows_bytes / decode_steps_run / 1e9
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"A ({args.a or 'defaults'}) {result['median_ms']['A']:.3f} ms, B ({args.b or 'defaults'}) "
-          f"{result['median_ms']['B']:.3f} ms a step; B - A {result['median_b_minus_a_ms']:+.3f} ms "
-          f"(median of {args.rounds} paired rounds), B / A {result['b_over_a']:.4f}; each step read "
-          f"{result['adapters_a_step']:.1f} adapters' rows, {result['adapter_rows_gb_a_step']:.3f} GB")
+    print(f"A ({args.a or 'defaults'}) {medians['A']:.3f} ms a step; "
+          + "; ".join(f"{k} ({words[k] or 'defaults'}) {medians[k]:.3f} ms, {k} - A {minus_a[k]:+.3f} ms (median of "
+                      f"{args.rounds} paired rounds), {k} / A {over_a[k]:.4f}" for k in minus_a)
+          + f"; each step read {result['adapters_a_step']:.1f} adapters' rows, "
+          f"{result['adapter_rows_gb_a_step']:.3f} GB")
     return 0
 
 

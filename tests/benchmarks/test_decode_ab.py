@@ -49,3 +49,20 @@ def test_a_run_past_its_context_bucket_is_refused_before_timing():
     check_one_context_bucket(3000, 5000, 4096)  # the page table's length caps the last bucket
     with pytest.raises(ValueError, match="past the graphs' 512-token context bucket"):
         check_one_context_bucket(470, 84, 4096)
+
+
+def test_further_settings_share_the_engine_and_rotate_in_the_rounds(tmp_path):
+    proc, out = run(tmp_path, "--b", "", "--b", "expand_flat", "--b", "graph_expand_tiles=2")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["settings"] == {"A": "", "B": "", "C": "expand_flat", "D": "graph_expand_tiles=2"}
+    times = result["step_ms"]
+    assert sorted(times) == ["A", "B", "C", "D"] and all(len(v) == 2 and min(v) > 0 for v in times.values())
+    # Every setting's steps ran in the same rounds: four settings a round, each a warm-up step and two timed.
+    first, last = result["longest_context"]
+    assert last == first + 2 * 4 * (result["steps"] + 1) + 2
+    for k in "BCD":
+        assert result["median_minus_a_ms"][k] == statistics.median([x - a for a, x in zip(times["A"], times[k])])
+        assert abs(result["over_a"][k] - statistics.median(times[k]) / statistics.median(times["A"])) < 1e-12
+    assert (result["b"], result["b_over_a"]) == ("", result["over_a"]["B"])
+    assert "round 2/2: A " in proc.stderr and ", D " in proc.stderr and "D / A" in proc.stdout
