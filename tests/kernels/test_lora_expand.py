@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import ALIGNED_CFG, LoraPool, assert_matches, launch_shapes_set
+from conftest import ALIGNED_CFG, STRADDLE_CFG, LoraPool, assert_matches, launch_shapes_set
 from lora_cases import FORMS, make_batch
 
 from services.gpu_worker.kernels import group_tokens_by_adapter, lora_expand
@@ -97,6 +97,33 @@ def test_expand_tiles_and_rank_steps_in_one_loop_add_the_same_bits_as_nested_loo
     assert_matches(outs[1] - base, ref - base, torch.float32)
     untouched = token_adapter < 0
     assert torch.equal(outs[1][untouched], base[untouched]), "base-only tokens' outputs changed"
+
+
+@pytest.mark.parametrize("form, programs, chunk", [("grouped", 0, 0), ("segments", 0, 0), ("segments", 2, 0)])
+def test_a_flat_expand_loop_over_straddling_rows_and_a_ragged_last_tile_adds_the_nested_loops_bits(form, programs,
+                                                                                                 chunk):
+    # Slot width 20 with 16-column tiles: a tile's rows straddle two slots (the unaligned loads); gate,up's 56
+    # columns end inside a tile (the column mask). Both under the flat loop's last-step mask.
+    modules = GROUPS["gate_up"]
+    lp = LoraPool(STRADDLE_CFG, torch.float32, seed=51)
+    gen = torch.Generator().manual_seed(52)
+    token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
+    out_dims = tuple(STRADDLE_CFG.module_dims(MODULES[m])[1] for m in modules)
+    assert any(d % 16 for d in out_dims) and lp.v_buf.shape[1] % 16
+    max_rank = lp.max_rank(token_adapter, modules)
+    y = torch.randn(len(modules), token_adapter.shape[0], max_rank, generator=gen)
+    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
+    outs = []
+    for flat in (False, True):
+        config = ExpandConfig(block_r=16, block_n=16, tiles_per_prog=2, chunk_tokens=chunk, segment_programs=programs,
+                              flat=flat)
+        out = base.clone()
+        lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, out, out_dims, config=config, **kwargs)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = base.clone()
+    reference.lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, ref, out_dims)
+    assert_matches(outs[1] - base, ref - base, torch.float32)
 
 
 def test_expand_loops_over_its_column_tiles_one_way_at_a_time():
