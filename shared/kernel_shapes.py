@@ -31,6 +31,10 @@ Words, comma-separated:
                         in turn instead of whole segments to each, so a long segment spreads over the programs
                         that would idle (off until timed on the H200)
   graph_few_shrink_deal the same for LoRA shrink's programs, its tiles of either height (off until timed)
+  graph_few_deal_max=N  those two deal only while at most N segments are busy (default 8), and a step with more
+                        walks them: on an H100 dealing took 3.7% off S-GQA's decode step over 5 adapters and
+                        added 2.5% over 32 (docs/benchmarks.md, 2026-12-05 22:44); no_graph_few_deal_max deals
+                        up to the graph's bound
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
@@ -66,6 +70,7 @@ class LaunchShapes:
     graph_few_chunk: int = 0
     graph_few_expand_deal: bool = False
     graph_few_shrink_deal: bool = False
+    graph_few_deal_max: int = 8  # 0 (no_graph_few_deal_max): up to the graph's bound on busy segments
     expand_rank_whole: bool = False
     expand_flat: bool = False
 

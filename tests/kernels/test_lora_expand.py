@@ -382,6 +382,18 @@ def test_a_few_adapter_graph_deals_its_expand_tiles_when_asked():
         # Graphs planned for every segment and eager launches walk as before.
         assert not choose_expand_config(**common).deal_tiles
         assert not choose_expand_config(**common, max_seg_len=3).deal_tiles
+    # Dealing's vectors hold at most graph_few_deal_max (8) busy segments: a step with more walks on the device.
+    from services.gpu_worker.kernels.lora_rows import deal_constexprs, segment_form
+
+    groups = group_tokens_by_adapter((torch.arange(512, dtype=torch.int32) * 7) % 32, count_live=True)
+    hints = groups.kwargs()
+    for words, block in (("graph_few_expand_deal", 8), ("graph_few_expand_deal,graph_few_deal_max=4", 4),
+                         ("graph_few_expand_deal,no_graph_few_deal_max", 32)):
+        with launch_shapes_set(words):
+            cfg = choose_expand_config(**common, **few)
+            form = segment_form(cfg, 512, None, hints["seg_start"], hints["seg_adapter"], hints["token_order"],
+                                hints["num_live"], None, torch.float32, torch.device("cpu"))
+            assert deal_constexprs(cfg, form, 32, 512) == {"DEAL": True, "SEG_BLOCK": block}
     # Dealing takes whole segments: it overrides graph_few_chunk.
     with launch_shapes_set("graph_few_expand_deal,graph_few_chunk=64"):
         cfg = choose_expand_config(**common, **few)

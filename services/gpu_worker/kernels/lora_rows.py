@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ..ops.meta import LoraTables
 from .checks import FLOAT_DTYPES, cdiv, check_tensor, next_pow2, require
+from .launch_shapes import launch_shapes
 
 
 @triton.jit
@@ -197,7 +198,12 @@ def deal_constexprs(cfg, form: SegmentForm, live_segments: int | None, num_segme
     if deal:
         require(form.chunks == 1, f"deal_tiles deals whole segments' tiles; chunk_tokens {cfg.chunk_tokens} cuts "
                                   f"them into {form.chunks} chunks")
-    return dict(DEAL=deal, SEG_BLOCK=next_pow2(min(live_segments or num_segments, 1024)) if deal else 1)
+    # Dealing pays where few segments are long (an H100: 14% off the four groups' LoRA at batch 512 over 5
+    # adapters) and costs where many are short (5-10% at 12 and 32, where the walk keeps the programs busy;
+    # docs/benchmarks.md, 2026-12-05 22:44): the vectors hold at most kernel_shapes' graph_few_deal_max segments,
+    # and a step with more busy walks.
+    cap = launch_shapes().graph_few_deal_max or 1024
+    return dict(DEAL=deal, SEG_BLOCK=next_pow2(min(live_segments or num_segments, cap, 1024)) if deal else 1)
 
 
 def check_segments(num_tokens: int, device: torch.device, seg_start, seg_adapter, token_order) -> None:
