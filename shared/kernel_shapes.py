@@ -39,11 +39,6 @@ Words, comma-separated:
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
                         2026-12-04 19:22)
-  expand_flat           a LoRA expand program of the segment form (decode graphs, prefill) runs its column tiles
-                        and rank steps as one loop, so the pipeline loads the next tile's rows while this one's
-                        are summed (ExpandConfig.flat; not with expand_rank_whole); off: on an H100 the every-
-                        segment graphs' LoRA took 1.11x as long and S-GQA's decode step 3.1% longer with it
-                        (docs/benchmarks.md, 2026-12-05 22:44)
   no_<word>             turns off a word that is on by default, as no_split_mixed, or a number that is
                         (no_graph_few_shrink_long)
 
@@ -72,7 +67,6 @@ class LaunchShapes:
     graph_few_shrink_deal: bool = False
     graph_few_deal_max: int = 8  # 0 (no_graph_few_deal_max): up to the graph's bound on busy segments
     expand_rank_whole: bool = False
-    expand_flat: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "LaunchShapes":

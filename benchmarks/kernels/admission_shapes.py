@@ -27,10 +27,9 @@ from benchmarks.kernels.graph_live_segments import Plan, measure, plan_arguments
 # "sx2"/"sx4": shrink's inputs split more ways than planned (the plan counts every segment times the longest
 # one's chunks, ~3.7x the programs an admission step runs); on the H200 both were slower than the plan (q,k,v
 # 111 / 119 against 84 µs). "sx1 t1": shrink unsplit, expand one column tile a program: a step of short
-# segments' shapes before 2026-12-05 (choose_shrink_config's chunk_programs). "fl": expand's column tiles and
-# rank steps in one pipelined loop (kernel_shapes expand_flat).
-ADMISSION_PLANS = ("exact", "exact ci", "exact ci fl", "exact ci sx1 t1", "exact ci t1", "exact ci t2", "exact ci w8",
-                   "exact ci n64", "exact ci n64 w8",
+# segments' shapes before 2026-12-05 (choose_shrink_config's chunk_programs).
+ADMISSION_PLANS = ("exact", "exact ci", "exact ci sx1 t1", "exact ci t1", "exact ci t2", "exact ci w8", "exact ci n64",
+                   "exact ci n64 w8",
                    "exact ci n256 w8", "exact ci r16", "exact ci r32", "exact ci s1", "exact ci s3", "exact ci m16",
                    "exact ci em16", "exact ci em64", "exact ci sw8",
                    "exact ci sk64", "exact ci sk128", "exact ci ss2", "exact ci ss4", "exact ci sx2", "exact ci sx4")
@@ -53,13 +52,12 @@ def main() -> None:
     ap.add_argument("--running", type=int, default=224)
     ap.add_argument("--distinct", type=int, default=100)
     ap.add_argument("--plan", action="append", default=[],
-                    help="a plan to time (repeatable, e.g. --plan 'exact ci fl'); replaces ADMISSION_PLANS")
+                    help="a plan to time (repeatable, e.g. --plan 'exact ci sx2'); replaces ADMISSION_PLANS")
     args = ap.parse_args()
     if args.smoke:
         model, groups, device, dtype, layers = "tiny", ["qkv"], "cpu", torch.float32, 1
         token_adapter = admission_tokens(3, 5, 4, (20, 90))
-        plans, n_adapters = ("exact", "exact ci", "exact ci t2", "exact ci n16 w2", "exact ci sk16", "exact ci em16",
-                             "exact ci fl"), 8
+        plans, n_adapters = ("exact", "exact ci", "exact ci t2", "exact ci n16 w2", "exact ci sk16", "exact ci em16"), 8
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
         groups = args.groups.split(",")

@@ -33,8 +33,6 @@ lora_expand, lora_shrink, paged_attention = (importlib.import_module(f"services.
 
 TARGET = GPUTarget("cuda", 90, 32)
 WHOLE_RANK = lora_expand.ExpandConfig(block_r=64, block_n=128, tiles_per_prog=4, rank_whole=True)
-# A graph's expand with its column tiles and rank steps in one loop (kernel_shapes expand_flat).
-FLAT = lora_expand.ExpandConfig(block_r=16, block_n=128, tiles_per_prog=4, flat=True)
 RESULTS: list[dict] = []
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -83,8 +81,6 @@ def launch_everything(dtype=torch.bfloat16) -> None:
                 if num_tokens == 512:  # the whole-rank expand (kernel_shapes expand_rank_whole), as a graph's
                     kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims,
                                         config=WHOLE_RANK, **grouped)
-                    kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims,
-                                        config=FLAT, **grouped)
                     # A few-adapter graph's shrink and expand with their token tiles dealt (kernel_shapes
                     # graph_few_shrink_deal, graph_few_expand_deal).
                     set_launch_shapes(LaunchShapes.parse("graph_few_expand_deal,graph_few_shrink_deal"))

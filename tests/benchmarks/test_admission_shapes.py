@@ -29,7 +29,7 @@ def test_smoke_run_launches_the_prefill_form_and_every_plan_matches(tmp_path):
     result = json.loads(out.read_text())
     rows = {r["plan"]: r for r in result["rows"]}
     assert list(rows) == ["exact", "exact ci", "exact ci t2", "exact ci n16 w2", "exact ci sk16",
-                          "exact ci em16", "exact ci fl"]
+                          "exact ci em16"]
     assert result["distinct_adapters"] == 4 and all(r["segments"] == 4 for r in rows.values())
     # Runs longer than 64 tokens: the kernels split them into 64-token chunks, as an eager prefill step does;
     # "ci" launches the chunks that hold tokens from the step's list, not 4 segments times the longest's chunks.
@@ -43,8 +43,5 @@ def test_smoke_run_launches_the_prefill_form_and_every_plan_matches(tmp_path):
     # "em16" changes expand's row tiles alone.
     em16 = rows["exact ci em16"]
     assert em16["expand"]["block_m"] == 16 and em16["shrink"] == rows["exact ci"]["shrink"]
-    # "fl" runs expand's column tiles and rank steps in one loop: its launch shape is otherwise the plan's.
-    flat = rows["exact ci fl"]
-    assert flat["expand"] == {**rows["exact ci"]["expand"], "flat": True} and flat["shrink"] == rows["exact ci"]["shrink"]
     assert all(r["max_rel_diff_vs_exact"] < 1e-5 for r in rows.values())
     assert "tokens over 4 adapters" in run.stderr

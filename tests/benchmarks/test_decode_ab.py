@@ -52,10 +52,10 @@ def test_a_run_past_its_context_bucket_is_refused_before_timing():
 
 
 def test_further_settings_share_the_engine_and_rotate_in_the_rounds(tmp_path):
-    proc, out = run(tmp_path, "--b", "", "--b", "expand_flat", "--b", "graph_expand_tiles=2")
+    proc, out = run(tmp_path, "--b", "", "--b", "graph_few_expand_deal", "--b", "graph_expand_tiles=2")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert result["settings"] == {"A": "", "B": "", "C": "expand_flat", "D": "graph_expand_tiles=2"}
+    assert result["settings"] == {"A": "", "B": "", "C": "graph_few_expand_deal", "D": "graph_expand_tiles=2"}
     times = result["step_ms"]
     assert sorted(times) == ["A", "B", "C", "D"] and all(len(v) == 2 and min(v) > 0 for v in times.values())
     # Every setting's steps ran in the same rounds: four settings a round, each a warm-up step and two timed.

@@ -18,8 +18,8 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
              "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound live 16 p2 ed", "bound live 16 p2 sd",
-             "bound live 16 p2 sd sl0", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "bound n16 t2 fl",
-             "exact live 16", "exact")
+             "bound live 16 p2 sd sl0", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16",
+             "exact")
     assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [(d, plan) for d in (1, 3) for plan in plans]
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
@@ -45,9 +45,6 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     assert changed("bound sk16 sw2", "expand") == {}
     assert changed("bound rw r64 n16 t2", "expand") == {"rank_whole": True, "block_r": 64, "block_n": 16,
                                                          "tiles_per_prog": 2}
-    # Expand's column tiles and rank steps in one loop: expand's launch alone changes.
-    assert changed("bound n16 t2 fl", "expand") == {"block_n": 16, "tiles_per_prog": 2, "flat": True}
-    assert changed("bound n16 t2 fl", "shrink") == {}
     # Segments shared out among two programs, each taking 2-token chunks of them (four chunks of 8 tokens).
     for kernel in ("shrink", "expand"):
         chunked, whole = by_plan[(3, "bound live 16 p2 sc2 ec2")][kernel], by_plan[(3, "bound live 16 p2")][kernel]
@@ -92,8 +89,6 @@ def test_plans_are_read_from_their_words():
         ("deal_tiles", True), ("chunk_tokens", 0), ("block_m_long", 0), ("long_from", 0)))
     assert Plan.parse("bound rw r64 t4") == Plan(exact=False, expand=(("rank_whole", True), ("block_r", 64),
                                                                       ("tiles_per_prog", 4)))
-    assert Plan.parse("bound fl s3 t8") == Plan(exact=False, expand=(("flat", True), ("num_stages", 3),
-                                                                     ("tiles_per_prog", 8)))
     # Two-letter shrink words before expand's one-letter ones: "ss3" is shrink's stages, "s3" expand's.
     assert Plan.parse("exact ss3 s1 sx2") == Plan(exact=True, expand=(("num_stages", 1),),
                                                    shrink=(("num_stages", 3), ("n_split", 2)))

@@ -107,17 +107,3 @@ def test_few_adapter_graphs_with_their_lora_tiles_dealt_match_eager(tmp_path):
     for rid in tokens:
         for a, b in zip(logits[rid], eager_logits[rid]):
             assert (a - b).abs().max().item() < 1e-3
-
-
-def test_graphs_planned_for_every_segment_with_a_flat_expand_loop_match_eager(tmp_path):
-    # kernel_shapes expand_flat: the every-segment graphs' expand programs run their column tiles and rank steps
-    # as one loop; the tokens stay the eager path's, the logits within its rounding.
-    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
-    adapters = adapters_of(base, tmp_path)
-    graph_engine, tokens, logits = run(base, adapters, graphs=True, kernel_shapes="expand_flat")
-    assert any(key[1] for key in graph_engine.graphs.graphs), "no LoRA step was replayed"
-    _, eager_tokens, eager_logits = run(base, adapters, graphs=False)
-    assert tokens == eager_tokens
-    for rid in tokens:
-        for a, b in zip(logits[rid], eager_logits[rid]):
-            assert (a - b).abs().max().item() < 1e-3

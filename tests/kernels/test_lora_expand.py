@@ -1,12 +1,11 @@
 """Triton LoRA expand against ops.reference.lora_expand on a real packed pool: in place, fused groups."""
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import pytest
 import torch
-from conftest import ALIGNED_CFG, STRADDLE_CFG, LoraPool, assert_matches, launch_shapes_set
+from conftest import ALIGNED_CFG, LoraPool, assert_matches, launch_shapes_set
 from lora_cases import FORMS, make_batch
 
 from services.gpu_worker.kernels import group_tokens_by_adapter, lora_expand
@@ -65,78 +64,6 @@ def test_expand_whole_rank_a_step_over_pipelined_column_tiles(form, group):
     config = ExpandConfig(block_r=64, block_n=16, tiles_per_prog=3, chunk_tokens=16 if form == "segments" else 0,
                           rank_whole=True)
     run_case(ALIGNED_CFG, torch.float32, form, GROUPS[group], seed=41, config=config)
-
-
-@pytest.mark.parametrize("form, programs, chunk", [("grouped", 0, 0), ("grouped", 2, 0), ("segments", 0, 16),
-                                                   ("segments", 0, 0), ("segments", 2, 0)])
-@pytest.mark.parametrize("group, block_r, tiles", [("qkv", 16, 3), ("down", 32, 2), ("qkv", 64, 1)])
-def test_expand_tiles_and_rank_steps_in_one_loop_add_the_same_bits_as_nested_loops(form, programs, chunk, group,
-                                                                                   block_r, tiles):
-    # flat: a program's token tiles, column tiles and rank steps as one loop. Ranks 1, 7 and 64 take one to four
-    # steps of 16 rows; the last column group of a module runs partly past its end (three 16-column tiles); a
-    # 21-token segment walked whole is two 16-row token tiles. Each output tile is summed over the same steps in
-    # the same order, so the outputs are the nested loops' bit for bit.
-    modules = GROUPS[group]
-    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=47)
-    gen = torch.Generator().manual_seed(48)
-    token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
-    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in modules)
-    max_rank = lp.max_rank(token_adapter, modules)
-    y = torch.randn(len(modules), token_adapter.shape[0], max_rank, generator=gen)
-    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
-    outs = []
-    for flat in (False, True):
-        config = ExpandConfig(block_r=block_r, block_n=16, tiles_per_prog=tiles, chunk_tokens=chunk,
-                              segment_programs=programs, flat=flat)
-        out = base.clone()
-        lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, out, out_dims, config=config, **kwargs)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    ref = base.clone()
-    reference.lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, ref, out_dims)
-    assert_matches(outs[1] - base, ref - base, torch.float32)
-    untouched = token_adapter < 0
-    assert torch.equal(outs[1][untouched], base[untouched]), "base-only tokens' outputs changed"
-
-
-@pytest.mark.parametrize("form, programs, chunk", [("grouped", 0, 0), ("segments", 0, 0), ("segments", 2, 0)])
-def test_a_flat_expand_loop_over_straddling_rows_and_a_ragged_last_tile_adds_the_nested_loops_bits(form, programs,
-                                                                                                 chunk):
-    # Slot width 20 with 16-column tiles: a tile's rows straddle two slots (the unaligned loads); gate,up's 56
-    # columns end inside a tile (the column mask). Both under the flat loop's last-step mask.
-    modules = GROUPS["gate_up"]
-    lp = LoraPool(STRADDLE_CFG, torch.float32, seed=51)
-    gen = torch.Generator().manual_seed(52)
-    token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
-    out_dims = tuple(STRADDLE_CFG.module_dims(MODULES[m])[1] for m in modules)
-    assert any(d % 16 for d in out_dims) and lp.v_buf.shape[1] % 16
-    max_rank = lp.max_rank(token_adapter, modules)
-    y = torch.randn(len(modules), token_adapter.shape[0], max_rank, generator=gen)
-    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
-    outs = []
-    for flat in (False, True):
-        config = ExpandConfig(block_r=16, block_n=16, tiles_per_prog=2, chunk_tokens=chunk, segment_programs=programs,
-                              flat=flat)
-        out = base.clone()
-        lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, out, out_dims, config=config, **kwargs)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    ref = base.clone()
-    reference.lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, ref, out_dims)
-    assert_matches(outs[1] - base, ref - base, torch.float32)
-
-
-def test_expand_loops_over_its_column_tiles_one_way_at_a_time():
-    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=49)
-    gen = torch.Generator().manual_seed(50)
-    token_adapter, kwargs = make_batch("grouped", lp.num_adapters, gen)
-    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in GROUPS["qkv"])
-    y = torch.randn(3, token_adapter.shape[0], 64, generator=gen)
-    out = torch.zeros(token_adapter.shape[0], sum(out_dims))
-    config = ExpandConfig(block_r=64, block_n=16, rank_whole=True, flat=True)
-    with pytest.raises(ValueError, match="rank_whole and flat"):
-        lora_expand(y, lp.v_buf, token_adapter, lp.tables, GROUPS["qkv"], out, out_dims, config=config, **kwargs)
-    assert not out.any()
 
 
 def test_expand_whole_rank_needs_a_step_covering_the_batch_ranks():
@@ -244,19 +171,6 @@ def test_a_graphs_launch_walks_several_column_tiles_a_program():
         assert choose_expand_config(**{**common, "max_rank": 16}).block_r == 16
         assert not choose_expand_config(**common, live_segments=32, segment_programs=32).rank_whole
         assert not choose_expand_config(**common, max_seg_len=3).rank_whole
-    # expand_flat: one loop over the tiles and rank steps in every segment launch (the shapes as without it),
-    # not with the whole rank a step, and not in the per-token form, which has no such loop.
-    assert not graph.flat
-    launches = (dict(), dict(live_segments=32, segment_programs=32), dict(max_seg_len=3), dict(max_seg_len=300))
-    with launch_shapes_set("expand_flat"):
-        flat = [choose_expand_config(**common, **kwargs) for kwargs in launches]
-        assert not choose_expand_config(**{**common, "segmented": False}).flat
-    assert (flat[0].flat, flat[0].block_r, flat[0].tiles_per_prog) == (True, 16, 4)
-    for config, kwargs in zip(flat, launches):
-        assert config.flat and dataclasses.replace(config, flat=False) == choose_expand_config(**common, **kwargs)
-    with launch_shapes_set("expand_flat,expand_rank_whole"):
-        both = choose_expand_config(**common)
-        assert both.rank_whole and not both.flat
     # Its ranks are stepped 16 rows at a time (many adapters' mixed ranks); a few-adapter graph's programs,
     # which share the segments out, keep 32-row steps.
     assert graph.block_r == 16

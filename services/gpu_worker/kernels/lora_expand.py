@@ -88,7 +88,7 @@ def _expand_segment_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr,
     SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr, COLS_FIRST: tl.constexpr,
-    RANK_WHOLE: tl.constexpr, DEAL: tl.constexpr, SEG_BLOCK: tl.constexpr, FLAT: tl.constexpr,
+    RANK_WHOLE: tl.constexpr, DEAL: tl.constexpr, SEG_BLOCK: tl.constexpr,
 ):
     if COLS_FIRST:
         col_pid, seg_pid = tl.program_id(0), tl.program_id(2)
@@ -115,12 +115,12 @@ def _expand_segment_kernel(
                 _expand_dealt(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
                               order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank,
                               n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R,
-                              BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, SEG_BLOCK, FLAT)
+                              BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, SEG_BLOCK)
         if walk:
             _expand_walked(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
                            order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W,
                            y_rank, chunk_tokens, n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim,
-                           C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, FLAT)
+                           C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, seg_pid, tl.program_id(1), HAS_ITEMS)
         a, rank, p_lo, p_hi = segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank,
@@ -129,7 +129,7 @@ def _expand_segment_kernel(
             return
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim,
-                        C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, FLAT)
+                        C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
 
 
 @triton.jit
@@ -138,7 +138,7 @@ def _expand_walked(
     stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank, chunk_tokens, n_seg, seg_pid, seg_programs,
     m, g, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, FLAT: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr,
 ):
     """Program seg_pid of seg_programs walks segments seg_pid, seg_pid + seg_programs, ... whole (their chunk
     on the grid's second axis)."""
@@ -149,7 +149,7 @@ def _expand_walked(
             _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
                             stride_slots, b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo,
                             n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
-                            PRECISION, RANK_WHOLE, FLAT)
+                            PRECISION, RANK_WHOLE)
 
 
 @triton.jit
@@ -159,7 +159,6 @@ def _expand_dealt(
     m, g, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
     HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, SEG_BLOCK: tl.constexpr,
-    FLAT: tl.constexpr,
 ):
     """The busy segments' BLOCK_M-row token tiles dealt out in turn (dealt_tile). Walking whole segments, a
     graph's step over 5 adapters at batch 512 kept 5 of its 32 programs a column tile busy, each with ~7 tiles
@@ -175,7 +174,7 @@ def _expand_dealt(
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, tl.sum(tl.where(pick, adapter, 0), axis=0), m, g,
                         tl.sum(tl.where(pick, rank, 0), axis=0), p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
-                        BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, FLAT)
+                        BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
 
 
 @triton.jit
@@ -184,7 +183,7 @@ def _expand_segment(
     out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
-    RANK_WHOLE: tl.constexpr, FLAT: tl.constexpr,
+    RANK_WHOLE: tl.constexpr,
 ):
     """Positions p_lo .. p_hi - 1 of one adapter's segment, one program's column tiles of module g."""
     first = tl.load(b_off_ptr + a * 7 + m)
@@ -192,96 +191,43 @@ def _expand_segment(
     n_chunks = (out_dim + W - 1) // W
     y_base = y_ptr + g.to(tl.int64) * stride_yg
     col0 = module_slot(g, C0, C1, C2)
-    if FLAT:
-        _expand_flat(y_base, stride_yt, out_ptr + col0, stride_ot, order_ptr, buf_ptr, stride_buf, list_ptr, first, W,
-                     n_chunks, rank, p_lo, p_hi, n_lo, n_hi, out_dim, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN,
-                     HAS_ORDER, PRECISION)
-    else:
-        for p0 in range(p_lo, p_hi, BLOCK_M):
-            pos = p0 + tl.arange(0, BLOCK_M)
-            p_mask = pos < p_hi
-            if HAS_ORDER:
-                tok = tl.load(order_ptr + pos, mask=p_mask, other=0)
-            else:
-                tok = pos
-            o_rows = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + col0
-            y_rows = y_base + tok.to(tl.int64)[:, None] * stride_yt
-            if RANK_WHOLE:
-                # Every rank fits one BLOCK_R step: the token tile's y rows are read once, and the column tiles
-                # are the program's innermost loop, so the next tile's Bᵀ rows and outputs can be loaded while
-                # this one's are summed (a decode segment's rank loop has only one to four steps to overlap).
-                whole = tl.arange(0, BLOCK_R)
-                y_whole = tl.load(y_rows + whole[None, :], mask=p_mask[:, None] & (whole < rank)[None, :],
-                                  other=0.0)
-            # Each Bᵀ tile is read once for all of the segment's tokens in this token tile.
-            for n0 in range(n_lo, n_hi, BLOCK_N):
-                cols = n0 + tl.arange(0, BLOCK_N)
-                if EVEN:
-                    mask = p_mask[:, None]
-                else:
-                    mask = p_mask[:, None] & (cols < out_dim)[None, :]
-                o = tl.load(o_rows + cols[None, :], mask=mask, other=0.0)
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                if RANK_WHOLE:
-                    w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, whole, whole < rank, n0, out_dim, W,
-                                          n_chunks, BLOCK_N, ALIGNED, EVEN)
-                    acc = tl.dot(y_whole, w.to(y_whole.dtype), acc, input_precision=PRECISION)
-                else:
-                    for r0 in range(0, rank, BLOCK_R):
-                        rows = r0 + tl.arange(0, BLOCK_R)
-                        row_mask = rows < rank
-                        yt = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & row_mask[None, :], other=0.0)
-                        w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W,
-                                              n_chunks, BLOCK_N, ALIGNED, EVEN)
-                        acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
-                tl.store(o_rows + cols[None, :], (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _expand_flat(y_base, stride_yt, out_base, stride_ot, order_ptr, buf_ptr, stride_buf, list_ptr, first, W, n_chunks,
-                 rank, p_lo, p_hi, n_lo, n_hi, out_dim,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr,
-                 EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr):
-    """A segment's token tiles, column tiles and rank steps as a single loop, in the nested loops' order (token
-    tile, then column tile, then rank step): a decode segment's rank loop has one to four steps, too few for the
-    pipeline to load the next Bᵀ rows while this step's are summed, whereas the program's whole walk is a loop as
-    long as shrink's input loop (a one-token segment's column tiles times its rank steps; a few-adapter graph's
-    ~100-token segment, its token tiles too). The body has no branch, so every load is one the pipeline can issue
-    ahead: a tile's outputs are read and written under the mask of its last rank step (other steps' masked loads
-    move no bytes), and its sum restarts from zero after that step. Each output tile is summed over the same steps
-    in the same order as the nested loops, so the outputs are theirs bit for bit."""
-    steps = (rank + BLOCK_R - 1) // BLOCK_R
-    tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
-    per_rows = tiles * steps
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i in range(0, (p_hi - p_lo + BLOCK_M - 1) // BLOCK_M * per_rows):
-        row_tile = i // per_rows
-        tile = (i - row_tile * per_rows) // steps
-        r0 = (i - row_tile * per_rows - tile * steps) * BLOCK_R
-        last = r0 + BLOCK_R >= rank
-        pos = p_lo + row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    for p0 in range(p_lo, p_hi, BLOCK_M):
+        pos = p0 + tl.arange(0, BLOCK_M)
         p_mask = pos < p_hi
         if HAS_ORDER:
             tok = tl.load(order_ptr + pos, mask=p_mask, other=0)
         else:
             tok = pos
-        n0 = n_lo + tile * BLOCK_N
-        cols = n0 + tl.arange(0, BLOCK_N)
-        rows = r0 + tl.arange(0, BLOCK_R)
-        row_mask = rows < rank
-        yt = tl.load(y_base + tok.to(tl.int64)[:, None] * stride_yt + rows[None, :],
-                     mask=p_mask[:, None] & row_mask[None, :], other=0.0)
-        w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W, n_chunks,
-                              BLOCK_N, ALIGNED, EVEN)
-        if EVEN:
-            mask = p_mask[:, None] & last
-        else:
-            mask = p_mask[:, None] & (cols < out_dim)[None, :] & last
-        o_ptrs = out_base + tok.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-        o = tl.load(o_ptrs, mask=mask, other=0.0)
-        acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
-        tl.store(o_ptrs, (o.to(tl.float32) + acc).to(out_base.dtype.element_ty), mask=mask)
-        acc = tl.where(last, 0.0, acc)
+        o_rows = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + col0
+        y_rows = y_base + tok.to(tl.int64)[:, None] * stride_yt
+        if RANK_WHOLE:
+            # Every rank fits one BLOCK_R step: the token tile's y rows are read once, and the column tiles are
+            # the program's innermost loop, so the next tile's Bᵀ rows and outputs can be loaded while this
+            # one's are summed (a decode segment's rank loop has only one to four steps to overlap).
+            whole = tl.arange(0, BLOCK_R)
+            y_whole = tl.load(y_rows + whole[None, :], mask=p_mask[:, None] & (whole < rank)[None, :], other=0.0)
+        # Each Bᵀ tile is read once for all of the segment's tokens in this token tile.
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            if EVEN:
+                mask = p_mask[:, None]
+            else:
+                mask = p_mask[:, None] & (cols < out_dim)[None, :]
+            o = tl.load(o_rows + cols[None, :], mask=mask, other=0.0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if RANK_WHOLE:
+                w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, whole, whole < rank, n0, out_dim, W,
+                                      n_chunks, BLOCK_N, ALIGNED, EVEN)
+                acc = tl.dot(y_whole, w.to(y_whole.dtype), acc, input_precision=PRECISION)
+            else:
+                for r0 in range(0, rank, BLOCK_R):
+                    rows = r0 + tl.arange(0, BLOCK_R)
+                    row_mask = rows < rank
+                    yt = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & row_mask[None, :], other=0.0)
+                    w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W,
+                                          n_chunks, BLOCK_N, ALIGNED, EVEN)
+                    acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
+            tl.store(o_rows + cols[None, :], (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # A graph's launch walks two column tiles a program from this many tokens (see choose_expand_config).
@@ -311,9 +257,6 @@ class ExpandConfig:
     # Segment form, shared out (segment_programs): the busy segments' token tiles dealt to the programs in turn
     # rather than whole segments (_expand_dealt); whole segments only (chunk_tokens 0).
     deal_tiles: bool = False
-    # Segment form: a program's column tiles and rank steps in one loop (_expand_flat), the loop the loads pipeline
-    # over; not with rank_whole.
-    flat: bool = False
     num_warps: int = 4
     num_stages: int = 2
 
@@ -398,15 +341,13 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
         # few-adapter graphs, two tiles lost 5-14% with them.
         # kernel_shapes' expand_rank_whole: the graph's whole rank in one step (rank buckets reach 64).
         whole = graph_wide and shapes.expand_rank_whole and max_rank <= 64
-        # kernel_shapes' expand_flat: every segment launch's column tiles and rank steps in one pipelined loop.
-        flat = shapes.expand_flat and not whole
         if whole:
             block_r = max(16, next_pow2(max_rank))
         else:
             block_r = 16 if max_rank <= 16 or short_prefill or graph_bound else 32
         return ExpandConfig(block_r=block_r, block_n=block_n, tiles_per_prog=tiles, block_m=block_m,
                             chunk_tokens=chunk, segment_programs=segment_programs,
-                            cols_first=shapes.expand_cols_first, rank_whole=whole, deal_tiles=deal, flat=flat)
+                            cols_first=shapes.expand_cols_first, rank_whole=whole, deal_tiles=deal)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n,
                         cols_first=shapes.expand_cols_first)
 
@@ -474,10 +415,7 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         common.update(seg.constexprs)
         if cfg.rank_whole and cfg.block_r < y_rank:
             raise ValueError(f"rank_whole: block_r {cfg.block_r} is below the batch's max rank {y_rank}")
-        if cfg.rank_whole and cfg.flat:
-            raise ValueError("rank_whole and flat are two ways of looping over the column tiles: choose one")
         common["RANK_WHOLE"] = cfg.rank_whole
-        common["FLAT"] = cfg.flat
         common.update(deal_constexprs(cfg, seg, live_segments, num_segments))
         grid = (seg.axis, seg.chunks, num_groups * n_col_groups)
         kernel_fn = _expand_segment_kernel
