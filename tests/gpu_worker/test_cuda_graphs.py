@@ -39,6 +39,15 @@ def run(base, adapters, graphs: bool, few_adapters: int = 0, kernel_shapes: str 
     return engine, tokens, logits
 
 
+def assert_eager_agrees(base, adapters, tokens: dict, logits: dict) -> None:
+    """The eager path over the same requests gives the same tokens, and logits within its rounding."""
+    _, eager_tokens, eager_logits = run(base, adapters, graphs=False)
+    assert tokens == eager_tokens
+    for rid in tokens:
+        for a, b in zip(logits[rid], eager_logits[rid]):
+            assert (a - b).abs().max().item() < 1e-3
+
+
 def adapters_of(base, tmp_path) -> dict:
     cfg = ModelConfig.from_dir(base)
     return {
@@ -65,11 +74,7 @@ def test_graph_replay_matches_eager(tmp_path, few_adapters):
     # Every graph writes the one logits buffer: none keeps a [batch, vocab] output of its own in the pool. The
     # last step replayed a graph for q10 alone (the longest request): its logits are still in row 0.
     assert torch.equal(graph_engine.graphs.logits[0].cpu(), logits["q10"][-1])
-    _, eager_tokens, eager_logits = run(base, adapters, graphs=False)
-    assert tokens == eager_tokens
-    for rid in tokens:
-        for a, b in zip(logits[rid], eager_logits[rid]):
-            assert (a - b).abs().max().item() < 1e-3
+    assert_eager_agrees(base, adapters, tokens, logits)
 
 
 def test_warm_up_captures_every_graph_the_traffic_can_use(tmp_path):
@@ -102,8 +107,4 @@ def test_few_adapter_graphs_with_their_lora_tiles_dealt_match_eager(tmp_path):
     graph_engine, tokens, logits = run(base, adapters, graphs=True, few_adapters=4,
                                        kernel_shapes="graph_few_shrink_deal,graph_few_expand_deal")
     assert {key[3] for key in graph_engine.graphs.graphs if key[1]} == {True}
-    _, eager_tokens, eager_logits = run(base, adapters, graphs=False)
-    assert tokens == eager_tokens
-    for rid in tokens:
-        for a, b in zip(logits[rid], eager_logits[rid]):
-            assert (a - b).abs().max().item() < 1e-3
+    assert_eager_agrees(base, adapters, tokens, logits)

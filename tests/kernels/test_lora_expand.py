@@ -37,6 +37,27 @@ def run_case(cfg, dtype, form, modules, seed, config=None, with_live=True):
     assert torch.equal(out[untouched], base[untouched]), "base-only tokens' outputs changed"
 
 
+def same_bits_under(configs, lp, token_adapter, modules, kwargs, gen) -> None:
+    """Launches that only reshape the work (which program takes which tile, in what order) add the same bits to
+    the output under every config, and match the reference; base-only tokens' outputs stay as they were."""
+    out_dims = tuple(lp.cfg.module_dims(MODULES[m])[1] for m in modules)
+    max_rank = lp.max_rank(token_adapter, modules)
+    y = torch.randn(len(modules), token_adapter.shape[0], max_rank, generator=gen)
+    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
+    outs = []
+    for config in configs:
+        out = base.clone()
+        lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, out, out_dims, config=config, **kwargs)
+        outs.append(out)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    ref = base.clone()
+    reference.lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, ref, out_dims)
+    assert_matches(outs[0] - base, ref - base, torch.float32)
+    untouched = token_adapter < 0
+    assert torch.equal(outs[0][untouched], base[untouched]), "base-only tokens' outputs changed"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("group", list(GROUPS))
@@ -129,21 +150,9 @@ def test_expand_launched_column_tile_first_adds_the_same_bits(form, programs):
     lp = LoraPool(ALIGNED_CFG, torch.float32, seed=37)
     gen = torch.Generator().manual_seed(38)
     token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
-    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in GROUPS["qkv"])
-    max_rank = lp.max_rank(token_adapter, GROUPS["qkv"])
-    y = torch.randn(3, token_adapter.shape[0], max_rank, generator=gen)
-    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
-    outs = []
-    for first in (False, True):
-        config = ExpandConfig(block_r=16, block_n=16, tiles_per_prog=2, chunk_tokens=16 if form == "segments" else 0,
-                              segment_programs=programs, cols_first=first)
-        out = base.clone()
-        lora_expand(y, lp.v_buf, token_adapter, lp.tables, GROUPS["qkv"], out, out_dims, config=config, **kwargs)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    ref = base.clone()
-    reference.lora_expand(y, lp.v_buf, token_adapter, lp.tables, GROUPS["qkv"], ref, out_dims)
-    assert_matches(outs[1] - base, ref - base, torch.float32)
+    configs = [ExpandConfig(block_r=16, block_n=16, tiles_per_prog=2, chunk_tokens=16 if form == "segments" else 0,
+                            segment_programs=programs, cols_first=first) for first in (False, True)]
+    same_bits_under(configs, lp, token_adapter, GROUPS["qkv"], kwargs, gen)
 
 
 def test_a_graphs_launch_walks_several_column_tiles_a_program():
@@ -252,22 +261,9 @@ def test_expand_tiles_dealt_to_the_programs_add_the_same_bits_as_whole_segments(
     # A segment per token, as a decode graph launches them; four of them busy.
     groups = group_tokens_by_adapter(token_adapter, count_live=True)
     kwargs = {**groups.kwargs(), "live_segments": live_bound}
-    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in modules)
-    max_rank = lp.max_rank(token_adapter, modules)
-    y = torch.randn(len(modules), token_adapter.shape[0], max_rank, generator=gen)
-    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
-    outs = []
-    for deal in (False, True):
-        config = ExpandConfig(block_r=16, block_n=16, block_m=block_m, segment_programs=programs, deal_tiles=deal)
-        out = base.clone()
-        lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, out, out_dims, config=config, **kwargs)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    ref = base.clone()
-    reference.lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, ref, out_dims)
-    assert_matches(outs[1] - base, ref - base, torch.float32)
-    untouched = token_adapter < 0
-    assert torch.equal(outs[1][untouched], base[untouched])
+    configs = [ExpandConfig(block_r=16, block_n=16, block_m=block_m, segment_programs=programs, deal_tiles=deal)
+               for deal in (False, True)]
+    same_bits_under(configs, lp, token_adapter, modules, kwargs, gen)
 
 
 def test_dealt_tiles_take_whole_segments():
