@@ -218,10 +218,9 @@ class ServerSampler:
         self.gpu_memory_total_mib: float | None = None
         # utilization.gpu of the GPU holding the most memory (the one serving), sampled during the run: the
         # share of time a kernel ran, so below 100% the GPU waited on the host (any kernel counts as busy).
-        self.gpu_busy: list[float] = []
-        # The same samples with the monotonic time each was read: busy_within() takes those of the measured
-        # window alone, leaving out the warm-up's first seconds, when the GPU idles until requests arrive.
-        self.gpu_busy_at: list[tuple[float, float]] = []
+        # (monotonic time, busy share) of each sample: busy_within() takes those of the measured window alone,
+        # leaving out the warm-up's first seconds, when the GPU idles until requests arrive.
+        self.gpu_busy: list[tuple[float, float]] = []
         self._last_gpu = 0.0
 
     def __enter__(self) -> ServerSampler:
@@ -320,14 +319,13 @@ class ServerSampler:
             self.gpu_memory_used_peak_mib = max(self.gpu_memory_used_peak_mib or 0.0, used)
             self.gpu_memory_total_mib = max(r[1] for r in rows)
             if util is not None and busy:
-                self.gpu_busy.append(util / 100.0)
-                self.gpu_busy_at.append((time.monotonic(), util / 100.0))
+                self.gpu_busy.append((time.monotonic(), util / 100.0))
 
     def busy_within(self, start: float, end: float) -> dict:
         """The busy share over the samples read between two monotonic times (a point's measured window):
         its mean, its least sample and how many there were; None where no sample fell inside."""
         with self._lock:
-            inside = [u for at, u in self.gpu_busy_at if start <= at <= end]
+            inside = [u for at, u in self.gpu_busy if start <= at <= end]
         return {"gpu_busy_window_mean": sum(inside) / len(inside) if inside else None,
                 "gpu_busy_window_min": min(inside) if inside else None,
                 "gpu_busy_window_samples": len(inside)}
@@ -359,8 +357,8 @@ class ServerSampler:
                                            if any(c.last for c in self.held_back.values()) else None),
                 "gpu_memory_used_peak_mib": self.gpu_memory_used_peak_mib,
                 "gpu_memory_total_mib": self.gpu_memory_total_mib,
-                "gpu_busy_mean": sum(self.gpu_busy) / len(self.gpu_busy) if self.gpu_busy else None,
-                "gpu_busy_min": min(self.gpu_busy) if self.gpu_busy else None,
+                "gpu_busy_mean": sum(u for _, u in self.gpu_busy) / len(self.gpu_busy) if self.gpu_busy else None,
+                "gpu_busy_min": min(u for _, u in self.gpu_busy) if self.gpu_busy else None,
                 "gpu_busy_samples": len(self.gpu_busy),
                 "metrics_samples": self.samples,
                 "metrics_sample_errors": self.sample_errors,

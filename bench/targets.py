@@ -85,8 +85,9 @@ def absolute(points: dict, setting: str, n: int, floor_rps: float) -> Verdict:
         status += ", beyond the roofline"
     if rps < floor_rps and gpu_busy(p) is not None:
         status += f"; GPU busy {gpu_busy(p):.0%} of the point"
-    if rps < floor_rps and steps_against_floors(p):
-        status += f"; {steps_against_floors(p)}"
+    where = steps_against_floors(p) if rps < floor_rps else ""
+    if where:
+        status += f"; {where}"
     return Verdict(target, f"{rps:.1f} req/s ({_day(p)})", bound, status)
 
 
@@ -193,8 +194,9 @@ def roofline_fractions(points: dict) -> Verdict:
         f"met at {', '.join(met)}" if met else "missed at every point")
     # Where the time of each point under the target went, for the lines that carry their steps' floors.
     for (s, _, n), p in lines:
-        if p["roofline_fraction"] < ROOFLINE_TARGET and steps_against_floors(p):
-            status += f"; {s} n = {n}: {steps_against_floors(p)}"
+        where = steps_against_floors(p) if p["roofline_fraction"] < ROOFLINE_TARGET else ""
+        if where:
+            status += f"; {s} n = {n}: {where}"
     return Verdict(f"≥ {ROOFLINE_TARGET:.0%} of the roofline", "; ".join(parts), "", status)
 
 
