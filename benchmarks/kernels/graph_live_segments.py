@@ -41,11 +41,12 @@ from services.gpu_worker.kernels.lora_shrink import GRAPH_FEW_SHRINK_LONG_M, cho
 # Each kernel's launch shape can be changed on its own. Expand: "cf" programs in column-tile order, "emN" N-row
 # tiles, "nN" N-column tiles, "rN" N rank rows a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles
 # walked by one program, "rw" the whole rank in one dot (with r64: every rank up to 64), the program's column
-# tiles its inner loop, "ed" the busy segments' token tiles dealt to the programs in turn (with pN). Shrink:
+# tiles its inner loop, "ed" the busy segments' token tiles dealt to the programs in turn (with pN), "gN" at most
+# N registers a thread (more programs a multiprocessor, or spills). Shrink:
 # "skN" N-input tiles, "sxN" the inputs split N ways, "srN" N rank columns a dot, "swN" N warps, "ssN" N
 # pipeline stages, "smN" N-token tiles, "slN" segments of more than N tokens in GRAPH_FEW_SHRINK_LONG_M-token
 # tiles (programs sharing segments out only; by default from 16, "sl0": one height), "sd" its tiles dealt as
-# expand's with "ed". "scN" and "ecN" give
+# expand's with "ed", "sgN" at most N registers a thread. "scN" and "ecN" give
 # shrink's and expand's programs N tokens of a segment each (its chunks spread over the grid's second axis; with
 # shared programs, each program takes the same chunk of every segment it walks).
 # Largest LoRA output difference from the exact plan, relative to the output's largest magnitude: plans sum
@@ -65,9 +66,10 @@ SHAPE_PLANS = ("bound", "bound t1", "bound r16", "bound t4", "bound w2", "bound 
                # after gate,up's expand read at ~1.7 TB/s in S-GQA's decode graphs).
                "bound n256", "bound n256 t2", "bound rw r64 t4", "bound rw r64 t8", "bound rw r64 t4 s3",
                "bound rw r64 n256 t2", "bound rw r64 t4 w8", "exact rw r64 t2", "exact rw r64 t4")
-EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog"}
+EXPAND_WORDS = {"n": "block_n", "r": "block_r", "w": "num_warps", "s": "num_stages", "t": "tiles_per_prog",
+                "g": "max_registers"}
 SHRINK_WORDS = {"sk": "block_k", "sx": "n_split", "sr": "block_r", "sw": "num_warps", "ss": "num_stages",
-                "sm": "block_m", "sc": "chunk_tokens"}
+                "sm": "block_m", "sc": "chunk_tokens", "sg": "max_registers"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +274,7 @@ def main() -> None:
         plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
                  "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound live 16 p2 ed", "bound live 16 p2 sd",
                  "bound live 16 p2 sd sl0", "bound n16 t2 w2",
-                 "bound sk16 sw2", "bound rw r64 n16 t2", "exact live 16", "exact")
+                 "bound sk16 sw2", "bound rw r64 n16 t2", "bound g48 sg64", "exact live 16", "exact")
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
         plans = tuple(args.plan) or (PLANS if args.plans == "graph" else SHAPE_PLANS)

@@ -366,6 +366,7 @@ class ShrinkConfig:
     deal_tiles: bool = False
     num_warps: int = 4
     num_stages: int = 2
+    max_registers: int = 0  # a thread's at most (ptxas's maxnreg), as in ExpandConfig; 0: the compiler's choice
 
 
 def choose_shrink_config(num_tokens: int, num_groups: int, fan_in: int, width: int, max_rank: int,
@@ -511,6 +512,8 @@ def lora_shrink(x: torch.Tensor, k_buf: torch.Tensor, token_adapter: torch.Tenso
     m0, m1, m2 = pad3(modules)
     common = dict(NUM_GROUPS=num_groups, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, ALIGNED=aligned, EVEN=even,
                   SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_registers:
+        common["maxnreg"] = cfg.max_registers
     finalize_block = min(next_pow2(rows_p), 256)
     if segmented:
         seg = segment_form(cfg, num_tokens, max_seg_len, seg_start, seg_adapter, token_order, num_live, chunk_items,
