@@ -121,3 +121,30 @@ def test_the_few_adapter_launches_with_their_tiles_dealt_compile_for_sm90_withou
     rows = compiled_rows(DEALT)
     assert [tuple(row[:3]) for row in rows] == [("shrink", "False", "1"), ("expand", "False", "1"),
                                                 ("shrink", "True", "8"), ("expand", "True", "8")]
+
+
+CAPPED = PRELUDE + """
+import dataclasses
+from services.gpu_worker.kernels.lora_expand import choose_expand_config
+modules = GROUPS["qkv"]
+fan_in, out_dims = group_dims(cfg, modules)
+token_adapter = (torch.arange(384, dtype=torch.int32) * 7) % 300
+bound = kernels.group_tokens_by_adapter(token_adapter, count_live=True).kwargs()
+bound.pop("num_live")
+y = torch.zeros(len(modules), 384, 64, dtype=torch.bfloat16)
+out = torch.zeros(384, sum(out_dims), dtype=torch.bfloat16)
+chosen = choose_expand_config(384, len(modules), out_dims, pool.width, 64, torch.device("cpu"), True, None, 384)
+for cap in (0, 64):
+    config = dataclasses.replace(chosen, max_registers=cap)
+    kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, config=config, **bound)
+for cap, r in zip((0, 64), cr.RESULTS):
+    print(cap, r.get("REG"), r.get("LOCAL", 0), r.get("STACK", 0))
+"""
+
+
+def test_a_register_cap_reaches_ptxas():
+    # A decode graph's many-adapter expand, as the compiler chooses and capped at 64 registers a thread (maxnreg):
+    # the cap binds (the uncapped kernel needs more) and, at 64, spills nothing.
+    rows = compiled_rows(CAPPED)
+    (_, free, *_), (cap, capped, *_) = rows
+    assert cap == "64" and int(capped) <= 64 < int(free)
