@@ -548,7 +548,8 @@ class Driver:
                 # The most of the roofline any server reaches here: each operation at its binding ceiling.
                 "attainable_rps": attainable_rps(self.setting, trace, c, batch, ranks, dtype_bytes),
                 # Each kind of step against what its own work allows, from the worker's counters.
-                "worker_steps": with_floors(line.get("worker_steps"), self.setting, c, dtype_bytes)}
+                "worker_steps": with_floors(line.get("worker_steps"), self.setting, c, dtype_bytes),
+                "worker_steps_window": with_floors(line.get("worker_steps_window"), self.setting, c, dtype_bytes)}
 
 
 def point_model_for(p, base_model: str, model_for: Callable) -> Callable:

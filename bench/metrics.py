@@ -212,6 +212,10 @@ class ServerSampler:
         self.pool_total_slots: float | None = None
         self.counters = {k: _CounterDelta() for k in ("adapter_loads", "adapter_load_bytes", "preemptions")}
         self.step_counters = {(field, kind): _CounterDelta() for field, _ in STEP_COUNTERS for kind in STEP_KINDS}
+        # (monotonic time, every step counter's increase so far) after each sample: steps_within() takes the
+        # increase over the measured window alone. Over the whole run, the ramp's and the drain's small
+        # batches (S2 at saturation: ~331 rows a decode step against ~368 in the steady state) weigh in too.
+        self.step_history: list[tuple[float, dict]] = []
         self.held_back = {reason: _CounterDelta() for reason in HELD_BACK_REASONS}
         self.saw_steps = False  # servers without step counters (the PEFT baseline) report no worker_steps
         self.gpu_memory_used_peak_mib: float | None = None
@@ -300,6 +304,7 @@ class ServerSampler:
                     per_worker = by_label(samples, name, "worker", kind=kind)
                     self.saw_steps |= bool(per_worker)
                     self.step_counters[field, kind].update(per_worker, baseline)
+            self.step_history.append((time.monotonic(), {k: c.total for k, c in self.step_counters.items()}))
             for reason in HELD_BACK_REASONS:
                 self.held_back[reason].update(
                     by_label(samples, "loraplex_worker_steps_held_back_total", "worker", reason=reason), baseline)
@@ -329,6 +334,18 @@ class ServerSampler:
         return {"gpu_busy_window_mean": sum(inside) / len(inside) if inside else None,
                 "gpu_busy_window_min": min(inside) if inside else None,
                 "gpu_busy_window_samples": len(inside)}
+
+    def steps_within(self, start: float, end: float) -> dict:
+        """`worker_steps_window`: worker_steps over the samples between two monotonic times (a point's measured
+        window), from the last sample at or before `start` to the last at or before `end`; None without two such
+        samples or without step counters."""
+        with self._lock:
+            before = [totals for at, totals in self.step_history if at <= start]
+            upto = [totals for at, totals in self.step_history if at <= end]
+            if not self.saw_steps or not before or len(upto) <= len(before):
+                return {"worker_steps_window": None}
+            lo, hi = before[-1], upto[-1]
+            return {"worker_steps_window": self._worker_steps({k: hi[k] - lo[k] for k in hi})}
 
     def report(self) -> dict:
         with self._lock:
@@ -364,37 +381,40 @@ class ServerSampler:
                 "metrics_sample_errors": self.sample_errors,
             }
 
-    def _worker_steps(self) -> dict | None:
-        """Per kind of step over the run, summed over workers: steps, seconds, tokens, the mean step in ms
-        and the kind's share of all step seconds (None where no step counter was read)."""
+    def _worker_steps(self, totals: dict | None = None) -> dict | None:
+        """Per kind of step over the run (or the counters' increases in `totals`, by (field, kind)), summed over
+        workers: steps, seconds, tokens, the mean step in ms and the kind's share of all step seconds (None where
+        no step counter was read)."""
         if not self.saw_steps:
             return None
-        seconds = {kind: self.step_counters["seconds", kind].total for kind in STEP_KINDS}
+        if totals is None:
+            totals = {k: c.total for k, c in self.step_counters.items()}
+        seconds = {kind: totals["seconds", kind] for kind in STEP_KINDS}
         busy = sum(seconds.values())
         out = {}
         for kind in STEP_KINDS:
-            steps = round(self.step_counters["steps", kind].total)
+            steps = round(totals["steps", kind])
             out[kind] = {"steps": steps, "seconds": round(seconds[kind], 4),
-                         "tokens": round(self.step_counters["tokens", kind].total),
+                         "tokens": round(totals["tokens", kind]),
                          "mean_ms": round(1e3 * seconds[kind] / steps, 3) if steps else None,
                          # The host's part of the mean step (None from servers before the launch counter).
-                         "launch_ms": (round(1e3 * self.step_counters["launch", kind].total / steps, 3)
+                         "launch_ms": (round(1e3 * totals["launch", kind] / steps, 3)
                                        if steps and self.step_counters["launch", kind].last else None),
                          # Of the steps, those launched ahead of the last one's tokens (None: not reported).
-                         "ahead": (round(self.step_counters["ahead", kind].total)
+                         "ahead": (round(totals["ahead", kind])
                                    if self.step_counters["ahead", kind].last else None),
                          # A mean step's distinct adapters read and the MB of their rows (None: not reported).
-                         **self._adapters_per_step(kind, steps),
+                         **self._adapters_per_step(kind, steps, totals),
                          # Totals for the kind's floor (None: not reported).
-                         **{name: (round(self.step_counters[name, kind].total)
+                         **{name: (round(totals[name, kind])
                                    if self.step_counters[name, kind].last else None) for name in FLOOR_COUNTERS},
                          "share": round(seconds[kind] / busy, 4) if busy else None}
         return out
 
-    def _adapters_per_step(self, kind: str, steps: int) -> dict:
+    def _adapters_per_step(self, kind: str, steps: int, totals: dict) -> dict:
         # `last` is empty where no worker reported the counter (a server from before it); zero is a reading.
         reported = bool(self.step_counters["adapters", kind].last)
-        count, nbytes = self.step_counters["adapters", kind].total, self.step_counters["adapter_bytes", kind].total
+        count, nbytes = totals["adapters", kind], totals["adapter_bytes", kind]
         return {"adapters_mean": round(count / steps, 2) if steps and reported else None,
                 "adapter_mb_mean": round(nbytes / steps / 1e6, 3) if steps and reported else None}
 

@@ -159,10 +159,11 @@ async def arun_point(base_url: str, spec: PointSpec, model_for: Callable[[TraceR
     figures = summarize(records, spec.warmup_s, slo_s=slo_s, duration_s=spec.duration_s)
     point.update(figures)
     point.update(server)
-    # Arrivals count from the trace's start, a few milliseconds after `t`: the window's busy share is read
-    # over [t + warmup, t + warmup + window], the same span the throughput divides by.
+    # Arrivals count from the trace's start, a few milliseconds after `t`: the window's busy share and steps
+    # are read over [t + warmup, t + warmup + window], the same span the throughput divides by.
     window_lo = t + spec.warmup_s
     point.update(sampler.busy_within(window_lo, window_lo + figures["window_s"]))
+    point.update(sampler.steps_within(window_lo, window_lo + figures["window_s"]))
     point.update(roofline_fraction=None, gpu=gpu_name(), **versions(), date=started.date().isoformat(),
                  started_at=started.isoformat(timespec="seconds"), wall_s=wall_s,
                  command=command if command is not None else shlex.join(sys.argv))

@@ -234,6 +234,34 @@ def test_sampler_reads_the_schedulers_queue_order_and_prefill_estimate():
     assert report["newest_first_share"] == 0.5 and report["prefill_estimate_peak_s"] == 2.5
 
 
+def test_the_steps_of_a_window_leave_out_the_ramp_and_the_drain():
+    """steps_within() takes the step counters' rise between the samples at a window's ends: a point's ramp and
+    drain, whose small batches make short steps of few rows, no longer weigh in its steps."""
+    sampler = ServerSampler("http://127.0.0.1:1", nvidia_smi="")
+
+    def record(steps: int, seconds: float, tokens: int, baseline: bool = False) -> float:
+        text = (f'loraplex_worker_steps_total{{worker="worker-0",kind="graph"}} {steps}\n'
+                f'loraplex_worker_step_seconds_total{{worker="worker-0",kind="graph"}} {seconds}\n'
+                f'loraplex_worker_step_tokens_total{{worker="worker-0",kind="graph"}} {tokens}\n')
+        sampler._record(parse_samples(text), baseline=baseline)
+        return time.monotonic()
+
+    record(0, 0.0, 0, baseline=True)
+    record(100, 1.0, 10_000)  # the ramp: 100 rows a step, 10 ms each
+    start = record(300, 8.0, 90_000)  # (the last sample before the window's start)
+    record(500, 15.0, 170_000)
+    end = record(700, 22.0, 250_000)  # the steady state: 400 rows a step, 35 ms each
+    record(800, 23.0, 260_000)  # the drain
+    whole = sampler.report()["worker_steps"]["graph"]
+    assert whole["steps"] == 800 and whole["tokens"] == 260_000 and whole["mean_ms"] == pytest.approx(28.75)
+    window = sampler.steps_within(start + 1e-6, end + 1e-6)["worker_steps_window"]["graph"]
+    assert window["steps"] == 400 and window["tokens"] == 160_000 and window["mean_ms"] == pytest.approx(35.0)
+    assert window["share"] == 1.0
+    # No sample at or before the window's start, or none inside it: nothing to difference.
+    assert sampler.steps_within(start - 60, end)["worker_steps_window"] is None
+    assert sampler.steps_within(end + 60, end + 120)["worker_steps_window"] is None
+
+
 def test_sampler_gpu_memory_peak(core_stack, tmp_path):
     # Stand-in for the driver's tool: two GPUs, the busier one's use rising then falling across calls.
     counter = tmp_path / "calls"

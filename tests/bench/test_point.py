@@ -75,6 +75,11 @@ def test_point_line_matches_its_records(core_stack, tmp_path):
     # and where its worker's time went: prompts were prefilled and tokens decoded.
     steps = point["worker_steps"]
     assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["prefill"]["tokens"] >= 4
+    # and over the measured window alone: part of the run's steps.
+    window_steps = point["worker_steps_window"]
+    assert window_steps is not None and sum(s["steps"] for s in window_steps.values()) >= 1
+    for kind, s in window_steps.items():
+        assert 0 <= s["steps"] <= steps[kind]["steps"] and 0 <= s["tokens"] <= steps[kind]["tokens"]
     # The GPU's busy share over the measured window is read from the samples inside it (none without a GPU).
     assert 0 <= point["gpu_busy_window_samples"] <= point["gpu_busy_samples"]
     assert (point["gpu_busy_window_mean"] is None) == (point["gpu_busy_window_samples"] == 0)
