@@ -131,12 +131,18 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
         # A larger running batch shares a step's fixed part (weights, adapters' rows) among more tokens:
         # two points at different caps measure the caps as much as the adapters.
         status = f"not comparable: running batches {a['batch']} and {b['batch']} (measure both at one)"
-    if measured < factor and a.get("worker_steps") and b.get("worker_steps"):
-        status += f"; {where_the_time_goes(a['worker_steps'], b['worker_steps'])}"
+    if measured < factor and worker_steps(a) and worker_steps(b):
+        status += f"; {where_the_time_goes(worker_steps(a), worker_steps(b))}"
     if measured < factor and gpu_busy(a) is not None and gpu_busy(b) is not None:
         # Below 100% the GPU waited on the host: time no kernel can win back.
         status += f"; GPU busy {gpu_busy(a):.0%} vs {gpu_busy(b):.0%}"
     return Verdict(target, text, bound, status)
+
+
+def worker_steps(line: dict) -> dict | None:
+    """A line's worker steps over its measured window (`worker_steps_window`, the span its throughput divides
+    by: lines from 2026-12-06 on), else over the whole run, its ramp and drain included."""
+    return line.get("worker_steps_window") or line.get("worker_steps")
 
 
 def where_the_time_goes(a: dict, b: dict) -> str:
@@ -174,7 +180,7 @@ def steps_against_floors(line: dict) -> str:
     ran to its floor (bench/step_floor.py), and the throughput the same steps would give at their floors, the
     point's divided by the step time's share its floors make up (lines from 2026-12-05 carry the floors; ""
     for a line without them)."""
-    steps = line.get("worker_steps") or {}
+    steps = worker_steps(line) or {}
     ran = [(name, steps[kind]) for kind, name in KINDS if (steps.get(kind) or {}).get("steps")]
     if not ran or any(s.get("of_floor") is None or s.get("share") is None for _, s in ran):
         return ""

@@ -248,3 +248,18 @@ def test_a_missed_point_says_where_its_worker_time_went_against_its_steps_floors
                            "27.8 ms floor, prefill steps 131.1 ms (50% of step time) at 0.75 of their 96.0 ms floor; "
                            "the same steps at their floors: 32.0 req/s")
     assert "S-GQA n = 5:" not in status and "S2 n = 5:" not in status
+
+
+def test_the_steps_of_a_lines_window_stand_for_its_steps_where_it_has_them(tmp_path):
+    # The window's steady batch runs longer steps than the whole run's, whose ramp and drain make short ones.
+    whole = {"graph": {"steps": 3200, "mean_ms": 34.1, "share": 0.75, "floor_ms": 27.8, "of_floor": 0.82},
+             "prefill": {"steps": 430, "mean_ms": 97.0, "share": 0.25, "floor_ms": 71.2, "of_floor": 0.73}}
+    window = {"graph": {"steps": 2800, "mean_ms": 36.0, "share": 0.8, "floor_ms": 29.0, "of_floor": 0.8},
+              "prefill": {"steps": 380, "mean_ms": 99.0, "share": 0.2, "floor_ms": 74.0, "of_floor": 0.75}}
+    path = write(tmp_path / "s2.jsonl", [line("loraplex", 2000, 29.0, 42.3, worker_steps=whole,
+                                              worker_steps_window=window)])
+    status = {x.target: x for x in verdicts([path])}["S2 n = 2000 ≥ 30 req/s"].status
+    # At their floors: 0.8 * 0.8 + 0.2 * 0.75 = 0.79 of the window's step time, 29.0 / 0.79 = 36.7 req/s.
+    assert status == ("missed: 0.97 of it; decode (graph) steps 36.0 ms (80% of step time) at 0.80 of their 29.0 ms "
+                      "floor, prefill steps 99.0 ms (20% of step time) at 0.75 of their 74.0 ms floor; the same steps "
+                      "at their floors: 36.7 req/s")
