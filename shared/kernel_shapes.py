@@ -39,6 +39,12 @@ Words, comma-separated:
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
                         2026-12-04 19:22)
+  expand_registers=N    registers a thread at most (ptxas's maxnreg, 24 to 255) for LoRA expand in a decode graph
+                        planned for every segment and in a prefill's chunked launch (default 56: on the H200 it
+                        took 4-7% off those launches, the graph's q,k,v at batch 384 over 300 adapters 100.4 to
+                        95.6 µs and an admission step's 151.1 to 141.7, docs/benchmarks.md, 2026-12-06 01:37; a
+                        few-adapter graph's shared programs lost with it and keep the compiler's choice);
+                        no_expand_registers leaves the compiler's choice everywhere
   no_<word>             turns off a word that is on by default, as no_split_mixed, or a number that is
                         (no_graph_few_shrink_long)
 
@@ -48,6 +54,10 @@ decode attention 0.5-3.9% in all twelve served shapes, a mixed step's attention 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+
+# Words that take a register count (any number ptxas accepts), not a power of two.
+REGISTER_WORDS = ("expand_registers",)
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class LaunchShapes:
     graph_few_shrink_deal: bool = False
     graph_few_deal_max: int = 8  # 0 (no_graph_few_deal_max): up to the graph's bound on busy segments
     expand_rank_whole: bool = False
+    expand_registers: int = 56  # 0 (no_expand_registers): the compiler's choice
 
     @classmethod
     def parse(cls, text: str) -> "LaunchShapes":
@@ -87,6 +98,11 @@ class LaunchShapes:
                 raise ValueError(f"kernel_shapes: no_{name} takes no value, got {word!r}")
             if field.type in ("int", int) and not on:
                 values[name] = 0  # a number on by default, turned off
+            elif name in REGISTER_WORDS:
+                if not eq or not value.isdigit() or not 24 <= int(value) <= 255:
+                    raise ValueError(f"kernel_shapes: {name} needs a register count from 24 to 255, as {name}=56; "
+                                     f"got {word!r}")
+                values[name] = int(value)
             elif field.type in ("int", int):
                 if not eq or not value.isdigit() or int(value) <= 0 or int(value) & (int(value) - 1):
                     raise ValueError(f"kernel_shapes: {name} needs a power of two, as {name}=64; got {word!r}")

@@ -38,6 +38,37 @@ def test_the_few_adapter_shrink_picks_its_tile_height_per_segment_by_default_and
     assert LaunchShapes.parse("no_graph_few_shrink_long,graph_few_shrink_long=32").graph_few_shrink_long == 32
 
 
+def test_the_expand_register_cap_is_on_by_default_at_any_count_ptxas_takes():
+    assert LaunchShapes().expand_registers == 56
+    assert LaunchShapes.parse("expand_registers=40").expand_registers == 40  # not a power of two
+    assert LaunchShapes.parse("no_expand_registers").expand_registers == 0
+
+
+def test_the_register_cap_goes_to_the_many_program_expand_launches_only():
+    from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
+    from services.gpu_worker.kernels.lora_expand import choose_expand_config
+
+    cpu, dims = torch.device("cpu"), (4096, 1024, 1024)
+
+    def caps():
+        graph = choose_expand_config(384, 3, dims, 4096, 64, cpu, True, None, 384)  # a segment per token
+        few = choose_expand_config(384, 3, dims, 4096, 64, cpu, True, None, 384, 32, 32)  # shared out
+        # An admission step of short segments (16-row tiles) and a prefill of a few long ones (64-row tiles).
+        short = choose_expand_config(2926, 3, dims, 4096, 64, cpu, True, 500, 288)
+        long = choose_expand_config(8000, 3, dims, 4096, 64, cpu, True, 2000, 5)
+        assert (short.block_m, long.block_m) == (16, 64)
+        return graph.max_registers, few.max_registers, short.max_registers, long.max_registers
+
+    assert caps() == (56, 0, 56, 0)
+    try:
+        set_launch_shapes(LaunchShapes.parse("expand_registers=64"))
+        assert caps() == (64, 0, 64, 0)
+        set_launch_shapes(LaunchShapes.parse("no_expand_registers"))
+        assert caps() == (0, 0, 0, 0)
+    finally:
+        set_launch_shapes(LaunchShapes())
+
+
 @pytest.mark.parametrize("text, message", [
     ("heads_last", "unknown word 'heads_last'"),
     ("attention_block_n=48", "attention_block_n needs a power of two"),
@@ -54,6 +85,10 @@ def test_the_few_adapter_shrink_picks_its_tile_height_per_segment_by_default_and
     ("no_attention_block_n=64", "unknown word 'no_attention_block_n'"),
     ("no_attention_block_n", "unknown word 'no_attention_block_n'"),  # a number off by default has no no_ word
     ("no_graph_few_shrink_long=16", "graph_few_shrink_long takes no value"),
+    ("expand_registers=16", "expand_registers needs a register count from 24 to 255"),
+    ("expand_registers=256", "expand_registers needs a register count from 24 to 255"),
+    ("expand_registers", "expand_registers needs a register count"),
+    ("no_expand_registers=56", "expand_registers takes no value"),
 ])
 def test_a_wrong_word_is_refused_by_name(text, message):
     with pytest.raises(ValueError, match=message):

@@ -262,7 +262,8 @@ class ExpandConfig:
     # Registers a thread at most (ptxas's maxnreg); 0: the compiler's choice. A decode graph's segment launch
     # compiles to 72, which holds 7 programs a multiprocessor: on the H100 its many-adapter q,k,v expand
     # (batch 384 over 300 adapters) then had under one warp of 16 ready to issue a cycle, waiting on its loads,
-    # and read HBM at 64% of the peak while shrink, beside it, read at 80%.
+    # and read HBM at 64% of the peak while shrink, beside it, read at 80%. Chosen from
+    # LaunchShapes.expand_registers (choose_expand_config).
     max_registers: int = 0
 
 
@@ -350,9 +351,15 @@ def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, 
             block_r = max(16, next_pow2(max_rank))
         else:
             block_r = 16 if max_rank <= 16 or short_prefill or graph_bound else 32
+        # Launches of many short programs in 16-row tiles over many adapters' rows wait on their loads; fewer
+        # registers a thread fit more programs on a multiprocessor (LaunchShapes.expand_registers). A few-adapter
+        # graph's programs, walking or dealt many tiles each, keep the compiler's choice (they lost with the cap on
+        # the H200), and so do 64-row tiles, whose accumulator alone needs 64 registers a thread.
+        many_programs = (graph_bound or short_prefill) and not segment_programs
         return ExpandConfig(block_r=block_r, block_n=block_n, tiles_per_prog=tiles, block_m=block_m,
                             chunk_tokens=chunk, segment_programs=segment_programs,
-                            cols_first=shapes.expand_cols_first, rank_whole=whole, deal_tiles=deal)
+                            cols_first=shapes.expand_cols_first, rank_whole=whole, deal_tiles=deal,
+                            max_registers=shapes.expand_registers if many_programs else 0)
     return ExpandConfig(block_r=min(max(16, next_pow2(max_rank)), 64), block_n=block_n,
                         cols_first=shapes.expand_cols_first)
 
