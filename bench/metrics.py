@@ -214,7 +214,8 @@ class ServerSampler:
         self.step_counters = {(field, kind): _CounterDelta() for field, _ in STEP_COUNTERS for kind in STEP_KINDS}
         # (monotonic time, every step counter's increase so far) after each sample: steps_within() takes the
         # increase over the measured window alone. Over the whole run, the ramp's and the drain's small
-        # batches (S2 at saturation: ~331 rows a decode step against ~368 in the steady state) weigh in too.
+        # batches weigh in too (S2 at saturation averages ~331 rows a decode step over the run, with the steady
+        # batch between a round's start at 352 and the cap of 384).
         self.step_history: list[tuple[float, dict]] = []
         self.held_back = {reason: _CounterDelta() for reason in HELD_BACK_REASONS}
         self.saw_steps = False  # servers without step counters (the PEFT baseline) report no worker_steps
