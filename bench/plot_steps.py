@@ -1,4 +1,5 @@
-"""Where the worker's time went, point by point: the `worker_steps` of result lines (steps by kind: decode
+"""Where the worker's time went, point by point: the `worker_steps` of result lines (over the measured window,
+`worker_steps_window`, where a line has them; steps by kind: decode
 replayed from CUDA graphs, decode run eagerly, steps carrying prefill) as two panels, each point a row:
 the share of step time each kind took, and the mean step of each kind in ms, hatched over the part the host
 took to schedule and launch it where the line records that (`launch_ms`): a step launched in nearly all of
@@ -16,6 +17,12 @@ from pathlib import Path
 KINDS = (("graph", "decode (graph)"), ("decode", "decode (eager)"), ("prefill", "prefill"))
 
 
+def worker_steps(line: dict) -> dict | None:
+    """A line's worker steps over its measured window (`worker_steps_window`, the span its throughput divides
+    by: lines from 2026-12-06 on), else over the whole run, its ramp and drain included."""
+    return line.get("worker_steps_window") or line.get("worker_steps")
+
+
 def point_label(line: dict, show_policy: bool = False) -> str:
     """A point's name on the figure; the policy only where it is not the default or the figure mixes them."""
     label = f"{line['setting']} {line['system']}"
@@ -31,9 +38,10 @@ def point_label(line: dict, show_policy: bool = False) -> str:
 def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     """The figure of every line with `worker_steps`, to `path`; {panel: {kind: [(point label, value)]}} as
     drawn, or {} (and no file) when no line has them."""
-    rows = [line for line in lines if line.get("worker_steps")]
+    rows = [line for line in lines if worker_steps(line)]
     if not rows:
         return {}
+    steps = [worker_steps(line) for line in rows]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,28 +50,28 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     mixed = len({line.get("policy") for line in rows}) > 1
     labels = [point_label(line, show_policy=mixed) for line in rows]
     fig_height = 2.0 + 0.45 * len(rows)  # inches: title, axis labels and legend, then a band per point
-    with_rows = any(s.get("adapter_mb_mean") is not None for line in rows for s in line["worker_steps"].values())
+    with_rows = any(s.get("adapter_mb_mean") is not None for by_kind in steps for s in by_kind.values())
     fig, axes = plt.subplots(1, 2 + with_rows, figsize=(13 + 5 * with_rows, fig_height), squeeze=True)
     share_ax, mean_ax = axes[:2]
     drawn: dict[str, dict] = {"share": {}, "mean_ms": {}, "launch_ms": {}}
     left = [0.0] * len(rows)
     bar = 0.8 / len(KINDS)  # a point's band holds one bar per kind
     for i, (kind, name) in enumerate(KINDS):
-        shares = [line["worker_steps"][kind]["share"] or 0.0 for line in rows]
+        shares = [s[kind]["share"] or 0.0 for s in steps]
         share_ax.barh(labels, shares, left=left, label=name, color=f"C{i}")
         left = [a + b for a, b in zip(left, shares)]
         drawn["share"][kind] = list(zip(labels, shares))
-        means = [line["worker_steps"][kind]["mean_ms"] or 0.0 for line in rows]
+        means = [s[kind]["mean_ms"] or 0.0 for s in steps]
         mean_ax.barh([y + (i - 1) * bar for y in range(len(rows))], means, height=bar, label=name,
                      color=f"C{i}")
         drawn["mean_ms"][kind] = list(zip(labels, means))
-        floors = [(y, line["worker_steps"][kind].get("floor_ms")) for y, line in enumerate(rows)]
+        floors = [(y, s[kind].get("floor_ms")) for y, s in enumerate(steps)]
         floors = [(y, ms) for y, ms in floors if ms]
         if floors:
             mean_ax.scatter([ms for _, ms in floors], [y + (i - 1) * bar for y, _ in floors], marker="|", s=160,
                             color="black", zorder=3, label="floor" if "floor_ms" not in drawn else None)
             drawn.setdefault("floor_ms", {})[kind] = [(labels[y], ms) for y, ms in floors]
-        launches = [(y, line["worker_steps"][kind].get("launch_ms")) for y, line in enumerate(rows)]
+        launches = [(y, s[kind].get("launch_ms")) for y, s in enumerate(steps)]
         launches = [(y, ms) for y, ms in launches if ms is not None]
         if launches:
             mean_ax.barh([y + (i - 1) * bar for y, _ in launches], [ms for _, ms in launches], height=bar,
@@ -71,7 +79,7 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
                          label="launched by the host" if not drawn["launch_ms"] else None)
             drawn["launch_ms"][kind] = [(labels[y], ms) for y, ms in launches]
         if with_rows:
-            gb = [(line["worker_steps"][kind].get("adapter_mb_mean") or 0.0) / 1e3 for line in rows]
+            gb = [(s[kind].get("adapter_mb_mean") or 0.0) / 1e3 for s in steps]
             axes[2].barh([y + (i - 1) * bar for y in range(len(rows))], gb, height=bar, color=f"C{i}")
             drawn.setdefault("adapter_gb", {})[kind] = list(zip(labels, gb))
     share_ax.set_xlim(0, 1)

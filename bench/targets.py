@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.plot_steps import KINDS
+from bench.plot_steps import KINDS, worker_steps
 from bench.plots import fixed_pool, read_lines
 
 ROOFLINE_TARGET = 0.6
@@ -137,12 +137,6 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
         # Below 100% the GPU waited on the host: time no kernel can win back.
         status += f"; GPU busy {gpu_busy(a):.0%} vs {gpu_busy(b):.0%}"
     return Verdict(target, text, bound, status)
-
-
-def worker_steps(line: dict) -> dict | None:
-    """A line's worker steps over its measured window (`worker_steps_window`, the span its throughput divides
-    by: lines from 2026-12-06 on), else over the whole run, its ramp and drain included."""
-    return line.get("worker_steps_window") or line.get("worker_steps")
 
 
 def where_the_time_goes(a: dict, b: dict) -> str:

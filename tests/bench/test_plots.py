@@ -151,6 +151,18 @@ def test_worker_steps_figure_shows_each_points_shares_and_mean_steps(tmp_path):
     assert not any(k.endswith("worker-steps.png") for k in plot_file(write(tmp_path / "old.jsonl", lines[2:]), tmp_path))
 
 
+def test_worker_steps_figure_draws_the_measured_windows_steps_where_a_line_has_them(tmp_path):
+    whole = steps((5000, 110.0), (0, 0.0), (250, 50.0))  # the ramp's and the drain's short steps included
+    window = steps((4000, 100.0), (0, 0.0), (200, 44.0))
+    lines = [line("loraplex", 2000, rate=40.0, throughput_rps=29.0, worker_steps=whole, worker_steps_window=window),
+             line("loraplex", 100, rate=40.0, throughput_rps=31.0, worker_steps=whole)]  # an older line: the run's
+    drawn = plot_file(write(tmp_path / "sat.jsonl", lines))
+    png = str(tmp_path / "sat-worker-steps.png")
+    assert drawn[png]["mean_ms"]["graph"] == [("S2 loraplex n=2000 R=40 cv=1", pytest.approx(25.0)),
+                                              ("S2 loraplex n=100 R=40 cv=1", pytest.approx(22.0))]
+    assert drawn[png]["share"]["prefill"][0][1] == pytest.approx(44 / 144)
+
+
 def test_worker_steps_figure_hatches_the_hosts_part_of_each_step_where_lines_record_it(tmp_path):
     timed = steps((5000, 110.0), (0, 0.0), (250, 50.0))
     timed["prefill"]["launch_ms"], timed["graph"]["launch_ms"], timed["decode"]["launch_ms"] = 120.0, 1.5, None
