@@ -12,6 +12,7 @@ A plan (YAML):
         run: python3 benchmarks/decode_ab.py ... --out {out}/ab.json
       - name: served_sgqa_n5
         min_s: 330                       # skipped unless this much of the deadline is left
+        gpu: H200                        # skipped unless the first GPU's name holds this (a target GPU's point)
         run: loraplex bench sweep ... --since {since} --budget-s {budget}
 
 A step's command may name {out} (the results folder), {since} (the plan's start, an ISO minute in UTC, for
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.point import versions
+from bench.point import gpu_name, versions
 
 # A step gets at most what is left less this, so the plan's last writes land before the deadline.
 MARGIN_S = 20
@@ -49,6 +50,7 @@ class Step:
     run: str
     cap_s: int = 600
     min_s: int = MIN_STEP_S
+    gpu: str = ""  # runs only where the first GPU's name holds this ("": anywhere)
 
 
 def load_plan(path: str | Path) -> list[Step]:
@@ -64,7 +66,7 @@ def load_plan(path: str | Path) -> list[Step]:
         where = f"{path}: steps[{i}]"
         if not isinstance(raw, dict):
             raise ValueError(f"{where} must be a mapping")
-        unknown = set(raw) - {"name", "run", "cap_s", "min_s"}
+        unknown = set(raw) - {"name", "run", "cap_s", "min_s", "gpu"}
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
         name, run = raw.get("name"), raw.get("run")
@@ -77,8 +79,10 @@ def load_plan(path: str | Path) -> list[Step]:
         for field in ("cap_s", "min_s"):
             if field in raw and (not isinstance(raw[field], int) or raw[field] <= 0):
                 raise ValueError(f"{where}.{field} must be a positive whole number of seconds")
+        if "gpu" in raw and (not isinstance(raw["gpu"], str) or not raw["gpu"].strip()):
+            raise ValueError(f"{where}.gpu must name a GPU, as H200")
         names.add(name)
-        steps.append(Step(name, run, raw.get("cap_s", 600), raw.get("min_s", MIN_STEP_S)))
+        steps.append(Step(name, run, raw.get("cap_s", 600), raw.get("min_s", MIN_STEP_S), raw.get("gpu", "")))
     return steps
 
 
@@ -92,7 +96,9 @@ class Outcome:
     why: str = ""
 
 
-def run_step(step: Step, out: Path, since: str, left_s: float) -> Outcome:
+def run_step(step: Step, out: Path, since: str, left_s: float, gpu: str) -> Outcome:
+    if step.gpu and step.gpu not in gpu:
+        return Outcome(step.name, "skipped", why=f"needs a GPU named {step.gpu}; this host has {gpu}")
     if left_s - MARGIN_S < step.min_s:
         return Outcome(step.name, "skipped", why=f"{left_s:.0f} s left, the step needs {step.min_s}")
     cap = int(min(step.cap_s, left_s - MARGIN_S))
@@ -138,9 +144,10 @@ def main() -> int:
     since = args.since or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M")
     outcomes: list[Outcome] = []
     host = versions()  # torch, triton, driver, and the server source's fingerprint
+    gpu = gpu_name()
     for i, step in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {step.name} ...", file=sys.stderr, flush=True)
-        outcome = run_step(step, out, since, deadline - time.monotonic())
+        outcome = run_step(step, out, since, deadline - time.monotonic(), gpu)
         outcomes.append(outcome)
         print(f"[{i}/{len(steps)}] {step.name}: {outcome.status}"
               + (f", rc {outcome.rc}" if outcome.rc is not None else "")

@@ -40,7 +40,8 @@ Words, comma-separated:
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
                         2026-12-04 19:22)
   expand_registers=N    registers a thread at most (ptxas's maxnreg, 24 to 255) for LoRA expand in a decode graph
-                        planned for every segment and in a prefill's chunked launch (default 56: on the H200 it
+                        planned for every segment and in a prefill's chunked launch of short segments (16-row
+                        tiles; 64-row ones keep the compiler's choice) (default 56: on the H200 it
                         took 4-7% off those launches, the graph's q,k,v at batch 384 over 300 adapters 100.4 to
                         95.6 µs and an admission step's 151.1 to 141.7, docs/benchmarks.md, 2026-12-06 01:37; a
                         few-adapter graph's shared programs lost with it and keep the compiler's choice);

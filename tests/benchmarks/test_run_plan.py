@@ -93,6 +93,28 @@ steps:
     assert "served: skipped" in proc.stderr
 
 
+def test_a_step_for_another_gpu_is_skipped_and_said_so(tmp_path):
+    # This host's first GPU, as the served points' lines name it ("cpu" without one).
+    from bench.point import gpu_name
+
+    here = gpu_name()
+    plan = f"""
+steps:
+  - name: elsewhere
+    gpu: NoSuchGPU-9000
+    run: echo never > {{out}}/elsewhere.txt
+  - name: here
+    gpu: {here}
+    run: echo ok > {{out}}/here.txt
+"""
+    proc, out = run_plan(tmp_path, plan, 100)
+    got = outcomes(out)
+    assert got["elsewhere"]["status"] == "skipped"
+    assert got["elsewhere"]["why"] == f"needs a GPU named NoSuchGPU-9000; this host has {here}"
+    assert not (out / "elsewhere.txt").exists() and not (out / "elsewhere.log").exists()
+    assert got["here"]["status"] == "done" and (out / "here.txt").read_text() == "ok\n"
+
+
 @pytest.mark.parametrize("plan, message", [
     ("steps: []", "non-empty list under 'steps'"),
     ("steps:\n  - name: a\n", "steps[0].run must be a command"),
@@ -100,6 +122,7 @@ steps:
     ("steps:\n  - name: a\n    run: x\n  - name: a\n    run: y\n", "steps[1].name 'a' is used twice"),
     ("steps:\n  - name: a\n    run: x\n    cap_s: -1\n", "steps[0].cap_s must be a positive"),
     ("steps:\n  - name: a\n    run: x\n    timeout: 3\n", "unknown field(s) ['timeout']"),
+    ("steps:\n  - name: a\n    run: x\n    gpu: ''\n", "steps[0].gpu must name a GPU"),
 ])
 def test_a_malformed_plan_is_refused_naming_the_field(tmp_path, plan, message):
     path = tmp_path / "plan.yaml"
