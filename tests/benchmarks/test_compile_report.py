@@ -134,10 +134,11 @@ bound.pop("num_live")
 y = torch.zeros(len(modules), 384, 64, dtype=torch.bfloat16)
 out = torch.zeros(384, sum(out_dims), dtype=torch.bfloat16)
 chosen = choose_expand_config(384, len(modules), out_dims, pool.width, 64, torch.device("cpu"), True, None, 384)
-for cap in (0, 64):
+caps = (0, 64, chosen.max_registers)  # the last: the launcher's own choice (kernel_shapes expand_registers)
+for cap in caps:
     config = dataclasses.replace(chosen, max_registers=cap)
     kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, config=config, **bound)
-for cap, r in zip((0, 64), cr.RESULTS):
+for cap, r in zip(caps, cr.RESULTS):
     print(cap, r.get("REG"), r.get("LOCAL", 0), r.get("STACK", 0))
 """
 
@@ -145,6 +146,13 @@ for cap, r in zip((0, 64), cr.RESULTS):
 def test_a_register_cap_reaches_ptxas():
     # A decode graph's many-adapter expand, as the compiler chooses and capped at 64 registers a thread (maxnreg):
     # the cap binds (the uncapped kernel needs more) and, at 64, spills nothing.
-    rows = compiled_rows(CAPPED)
-    (_, free, *_), (cap, capped, *_) = rows
+    run = subprocess.run([sys.executable, "-c", CAPPED], cwd=REPO, env=compile_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (_, free, *spill_free), (cap, capped, *spill_capped), (default, shipped, local, stack) = (
+        line.split() for line in run.stdout.splitlines())
+    assert spill_free == spill_capped == ["0", "0"]
     assert cap == "64" and int(capped) <= 64 < int(free)
+    # The launcher's default cap (56) binds too; it keeps a small stack frame (8-16 bytes on sm_90), never a
+    # spill to local memory.
+    assert default == "56" and int(shipped) <= 56 and local == "0" and int(stack) <= 32
