@@ -48,6 +48,16 @@ def check_one_context_bucket(longest: int, steps: int, max_len: int) -> None:
                          f"graphs' {first}-token context bucket: shorten --prompt-len or the rounds")
 
 
+def check_no_preemption(engine: Engine, args, decode_steps: int) -> None:
+    """Raise once the pool has run out of KV slots for the batch: preempted requests are prefilled again and
+    preempt others in turn, so the run would spin until it is killed (Llama-2-7B at a batch of 384 on 80 GB)."""
+    if engine.num_preemptions:
+        raise SystemExit(
+            f"the pool's {engine.pool.num_slots} slots cannot hold {args.batch} requests of {args.prompt_len} prompt "
+            f"tokens and {decode_steps} decode steps beside the adapters ({engine.num_preemptions} preempted while "
+            f"prefilling): lower --batch or --prompt-len, or run on a GPU with more memory")
+
+
 def build(args) -> tuple[Engine, list[str]]:
     if args.smoke:  # the tiny test model's shapes, every module adapted
         cfg, targets, device, dtype, graphs = ModelConfig.from_hf(hf_config("tiny", VOCAB_SIZE)), tuple(MODULES), \
@@ -56,7 +66,7 @@ def build(args) -> tuple[Engine, list[str]]:
         cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
         targets, device, dtype, graphs = TARGETS[args.model], "cuda", "bfloat16", True
     engine = Engine.with_dummy_weights(cfg, EngineConfig(
-        device=device, dtype=dtype, num_slots=4096 if args.smoke else 0, max_lora_rank=64, max_running_requests=args.batch,
+        device=device, dtype=dtype, num_slots=args.slots or (4096 if args.smoke else 0), max_lora_rank=64, max_running_requests=args.batch,
         max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(args.batch, EngineConfig.cuda_graph_max_batch),
         kernel_shapes=args.a, overlap_steps=False))  # one step timed at a time
     return engine, add_synthetic_adapters(engine, args.adapters, targets)
@@ -74,6 +84,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=4, help="decode steps timed a round")
     p.add_argument("--out", required=True)
+    p.add_argument("--slots", type=int, default=0,
+                   help="the pool's slots (0: the engine sizes it from free memory; 4096 with --smoke)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, no graphs: checks the script runs")
     args = p.parse_args()
     if args.smoke:
@@ -94,6 +106,7 @@ def main() -> int:
                                          names[i % len(names)] if names else None))
     while len(engine.running) < args.batch or any(s.remaining > 1 for s in engine.running):
         engine.step()  # prefill
+        check_no_preemption(engine, args, decode_steps)
     longest = max(s.num_computed + 1 for s in engine.running)
     check_one_context_bucket(longest, decode_steps, engine.page_table.max_len)
     for _ in range(2):

@@ -34,7 +34,9 @@ Words, comma-separated:
   graph_few_deal_max=N  those two deal only while at most N segments are busy (default 8), and a step with more
                         walks them: on an H100 dealing took 3.7% off S-GQA's decode step over 5 adapters and
                         added 2.5% over 32 (docs/benchmarks.md, 2026-12-05 22:44); no_graph_few_deal_max deals
-                        up to the graph's bound
+                        up to the graph's bound. The cap did not keep the walk's speed (2-3% lost at 12 and 32
+                        adapters; the dealt shrink holds 176 registers a thread against 128 on either path), and
+                        served S-GQA n = 5 gained nothing dealt (docs/benchmarks.md, 2026-12-06 03:18)
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,

@@ -66,3 +66,16 @@ def test_further_settings_share_the_engine_and_rotate_in_the_rounds(tmp_path):
         assert abs(result["over_a"][k] - statistics.median(times[k]) / statistics.median(times["A"])) < 1e-12
     assert (result["b"], result["b_over_a"]) == ("", result["over_a"]["B"])
     assert "round 2/2: A " in proc.stderr and ", D " in proc.stderr and "D / A" in proc.stdout
+
+
+def test_a_batch_the_pool_cannot_hold_stops_at_its_first_preemption(tmp_path):
+    # 500 slots hold the tiny model's three adapters but not four requests' KV beside them: without the check
+    # the preempted requests are prefilled again and preempt others in turn until the run is killed.
+    proc, out = run(tmp_path, "--slots", "500")
+    assert proc.returncode != 0 and not out.exists()
+    assert "the pool's 500 slots cannot hold 4 requests of 8 prompt tokens" in proc.stderr
+    assert "lower --batch or --prompt-len" in proc.stderr and "round 1/" not in proc.stderr
+    # The same run with room for the batch times its rounds.
+    proc, out = run(tmp_path, "--slots", "2000")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["rounds"] == 2
