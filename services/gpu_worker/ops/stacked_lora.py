@@ -1,0 +1,111 @@
+"""LoRA for a step of a few adapters as dense matrix products: the step's adapters' A rows gathered from the
+pool into one matrix, side by side, so shrink is one GEMM of the tokens against all of them; each token keeps the
+columns of its own adapter (the others masked to zero), and expand is one GEMM a module against the adapters' Bᵀ
+rows stacked the same way, added into the output in place.
+
+Why: over a few adapters a decode step's segments hold ~100 tokens each, and the segment kernels, built to
+stream many adapters' rows, run far from both ceilings there (S-GQA over 5 adapters on an H100: shrink ~32 µs
+and expand ~25 µs a launch, against a few µs of x, y and output traffic; docs/benchmarks.md). A GEMM over n
+adapters' columns does n times the shrink FLOPs a token needs, which at a few adapters and ranks of 8-64 is
+still far below a step's base GEMMs, on the tensor cores at cuBLAS's tiling.
+
+Columns: `columns` (at least the adapters' ranks summed) of A rows, packed adapter after adapter, each module of
+the group in a block of its own; a column past the adapters' rows reads the pool's zero slot and belongs to no
+adapter. The gather reads each adapter's rows once, as the segment kernels do; the products never read them
+again from the pool. Results equal ops.reference's up to the sum's order (fp32 accumulation, one rounding of
+the output).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..adapter_layout import chunks
+from .meta import LoraTables
+
+
+@dataclass
+class StackedRows:
+    """A few adapters' rows of one fused group, as pool row indices and the owner of each column.
+
+    a_rows `[G * columns * chunks_in]`: module g's A row for column c spans entries
+    `(g * columns + c) * chunks_in ...` (each an index into the K buffer's first axis). b_rows: per module,
+    `[columns * chunks_out_g]` indices into the V buffer for its Bᵀ rows. owner `[columns]`: the stack position
+    (0 .. len(adapters) - 1) whose row a column holds, -1 for padding."""
+
+    a_rows: torch.Tensor
+    b_rows: tuple[torch.Tensor, ...]
+    owner: torch.Tensor
+    columns: int
+    fan_in: int
+    out_dims: tuple[int, ...]
+
+
+def stack_rows(tables: LoraTables, adapters: list[int], modules: tuple[int, ...], fan_in: int,
+               out_dims: tuple[int, ...], width: int, zero_slot: int, columns: int | None = None,
+               device: torch.device | str = "cpu") -> StackedRows:
+    """Index the rows of `adapters` (resident ids, in stack order) for `modules`. `tables` on the host. A
+    module an adapter does not adapt (rank 0) reads the zero slot in its columns; `columns` (default: the
+    adapters' widest ranks over the group, summed) pads every module's block to the same width with
+    `zero_slot`, a slot whose rows hold zeros (a graph replays one width for any few adapters)."""
+    if len(out_dims) != len(modules):
+        raise ValueError(f"out_dims has {len(out_dims)} entries for {len(modules)} modules")
+    ranks = tables.ranks.cpu()
+    need = sum(max(int(ranks[a, m]) for m in modules) for a in adapters)
+    columns = need if columns is None else columns
+    if columns < need:
+        raise ValueError(f"columns={columns} cannot hold these adapters' rows side by side ({need} needed)")
+    slots, a_off, b_off = tables.slots.cpu(), tables.a_off.cpu(), tables.b_off.cpu()
+    cin = chunks(fan_in, width)
+    a_rows = torch.full((len(modules), columns, cin), zero_slot, dtype=torch.int64)
+    b_rows = [torch.full((columns, chunks(d, width)), zero_slot, dtype=torch.int64) for d in out_dims]
+    # Every module's block packs the adapters in the same order but at its own ranks; the owner of a column
+    # must be one for all modules (one mask for the group), so each adapter takes the widest of its modules'
+    # ranks in every block and the narrower modules' extra columns read the zero slot.
+    owner = torch.full((columns,), -1, dtype=torch.int64)
+    col = 0
+    for pos, a in enumerate(adapters):
+        width_a = max(int(ranks[a, m]) for m in modules)
+        owner[col: col + width_a] = pos
+        for g, m in enumerate(modules):
+            r = int(ranks[a, m])
+            if r == 0:
+                continue
+            a_rows[g, col: col + r] = slots[a, a_off[a, m]: a_off[a, m] + r * cin].long().view(r, cin)
+            cout = b_rows[g].shape[1]
+            b_rows[g][col: col + r] = slots[a, b_off[a, m]: b_off[a, m] + r * cout].long().view(r, cout)
+        col += width_a
+    return StackedRows(a_rows.reshape(-1).to(device), tuple(b.reshape(-1).to(device) for b in b_rows),
+                       owner.to(device), columns, fan_in, tuple(out_dims))
+
+
+def stacked_positions(token_adapter: torch.Tensor, adapters: list[int]) -> torch.Tensor:
+    """Each token's position in the stack (-1: base only, or an adapter not stacked)."""
+    lookup = torch.full((int(max(adapters, default=-1)) + 2,), -1, dtype=torch.int32, device=token_adapter.device)
+    if adapters:
+        lookup[torch.tensor(adapters, device=token_adapter.device).long()] = torch.arange(
+            len(adapters), dtype=torch.int32, device=token_adapter.device)
+    # -1 (base only) indexes the last entry, which is -1; ids past the table are not stacked either.
+    ids = token_adapter.long().clamp(max=lookup.shape[0] - 1)
+    return lookup[ids]
+
+
+def stacked_lora(x: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, token_pos: torch.Tensor,
+                 rows: StackedRows, out: torch.Tensor) -> None:
+    """out[t, cols of module g] += (x[t] @ A_gᵀ) @ (scaled B_g)ᵀ for the adapter at token t's stack position
+    (token_pos, -1: nothing added), in place. `out` is `[T, sum(out_dims)]`."""
+    num_tokens = x.shape[0]
+    width = k_buf.shape[1]
+    groups = len(rows.out_dims)
+    cin = chunks(rows.fan_in, width)
+    a = k_buf.index_select(0, rows.a_rows).view(groups * rows.columns, cin * width)[:, :rows.fan_in]
+    y = torch.mm(x, a.t())  # [T, G * columns]: every token against every stacked adapter
+    keep = (token_pos.long()[:, None] == rows.owner[None, :]).to(y.dtype)  # [T, columns]
+    y = y.view(num_tokens, groups, rows.columns).mul_(keep[:, None, :])
+    col = 0
+    for g, d in enumerate(rows.out_dims):
+        cout = chunks(d, width)
+        bt = v_buf.index_select(0, rows.b_rows[g]).view(rows.columns, cout * width)[:, :d]
+        out[:, col: col + d].addmm_(y[:, g], bt)
+        col += d

@@ -1,0 +1,26 @@
+"""The few-adapter LoRA benchmark runs the kernels' plans and the dense products on the same work (CPU, tiny)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench import REPO, child_env
+
+
+def test_smoke_run_holds_every_stacked_plan_to_the_kernels_exact_output(tmp_path):
+    out = tmp_path / "f.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.kernels.few_stacked", "--smoke", "--distinct", "3",
+                          "--groups", "qkv,down", "--paddings", "64,512", "--out", str(out)],
+                         cwd=REPO, env=child_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    plans = ["kernels", "kernels exact", "stacked", "stacked rows", "stacked c512"]
+    assert [(r["group"], r["plan"]) for r in rows] == [(g, p) for g in ("qkv", "down") for p in plans]
+    for r in rows:
+        assert r["max_rel_diff_vs_exact"] < 1e-5, r
+    # Three adapters of the pool's ranks (8, 16, 32, 64 in turn): the tight stack holds their ranks summed, and
+    # a padding narrower than that (64 here) is no plan of its own.
+    stacked = [r for r in rows if r["plan"] == "stacked"]
+    assert all(r["columns"] > 64 and r["columns"] % 8 == 0 for r in stacked)
+    assert "[2/2] tiny down batch 16 over 3:" in run.stderr
