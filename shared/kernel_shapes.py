@@ -37,6 +37,11 @@ Words, comma-separated:
                         up to the graph's bound. The cap did not keep the walk's speed (2-3% lost at 12 and 32
                         adapters; the dealt shrink holds 176 registers a thread against 128 on either path), and
                         served S-GQA n = 5 gained nothing dealt (docs/benchmarks.md, 2026-12-06 03:18)
+  graph_few_stacked=N   decode graphs of steps carrying at most N distinct adapters run their LoRA as dense
+                        products (ops.stacked_lora: the adapters' rows gathered side by side from the pool, one
+                        shrink GEMM over all of them, one expand GEMM a module) instead of the segment kernels;
+                        the columns are the adapters' ranks summed, bucketed to a power of two from 64 (default
+                        off until timed: benchmarks/plans/few_stacked.yaml)
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
@@ -79,6 +84,7 @@ class LaunchShapes:
     graph_few_expand_deal: bool = False
     graph_few_shrink_deal: bool = False
     graph_few_deal_max: int = 8  # 0 (no_graph_few_deal_max): up to the graph's bound on busy segments
+    graph_few_stacked: int = 0  # 0: the segment kernels at every step
     expand_rank_whole: bool = False
     expand_registers: int = 56  # 0 (no_expand_registers): the compiler's choice
 

@@ -22,7 +22,9 @@ A graph cannot know which adapters its step carries, so its LoRA kernels launch 
 `few_adapters` set, steps of at most that many distinct adapters replay graphs of their own, whose launches are
 planned for that many busy segments and share the segments out among a few programs, which skip the unused
 ones; the other steps replay graphs planned for every segment (at ~100 adapters in a batch of 256 most
-segments are busy, and that plan is the faster one).
+segments are busy, and that plan is the faster one). With kernel_shapes' graph_few_stacked = N, steps of at most
+N distinct adapters replay graphs whose LoRA is dense products over the adapters' rows side by side
+(ops/stacked_lora.py), keyed by their column count (graph_stacks.py); captured at first use, not at warm-up.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ import torch
 
 from shared.model_config import MODULES
 
+from .graph_stacks import GraphStacks, stacked_columns
+from .kernels.launch_shapes import launch_shapes
 from .model import DOWN, GATE_UP, O, QKV, ForwardBatch, LlamaModel
 from .ops.meta import AttnMeta, LoraBatch, LoraTables
 from .page_table import PageTable
@@ -96,7 +100,9 @@ def busy_segments(adapter_ids: list[int | None], size: int) -> int:
     return len({a for a in adapter_ids if a is not None}) + base
 
 
-GraphKey = tuple[int, int, int, bool, tuple[bool, ...]]  # batch, rank, context, few-adapter plan, LoRA groups
+# batch, rank, context, LoRA plan, LoRA groups. The plan: False, the segment launches planned for every segment;
+# True, the few-adapter plan; a column count (STACK_MIN_COLUMNS or more), the stacked products over that many.
+GraphKey = tuple[int, int, int, bool | int, tuple[bool, ...]]
 
 
 def capture_plan(batch_buckets: tuple[int, ...], rank_buckets: tuple[int, ...],
@@ -114,8 +120,10 @@ def capture_plan(batch_buckets: tuple[int, ...], rank_buckets: tuple[int, ...],
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, pool: UnifiedPool, tables: LoraTables, page_table: PageTable,
                  max_batch: int, max_rank: int, scratch_slot: int, scratch_row: int, few_adapters: int = 0,
-                 segment_programs: int = 32, warm_groups: tuple[bool, ...] = ALL_GROUPS):
+                 segment_programs: int = 32, warm_groups: tuple[bool, ...] = ALL_GROUPS,
+                 stacks: GraphStacks | None = None):
         self.model, self.pool, self.tables, self.page_table = model, pool, tables, page_table
+        self.stacks = stacks
         self.few_adapters, self.segment_programs, self.warm_groups = few_adapters, segment_programs, warm_groups
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         self.rank_buckets = tuple(r for r in RANK_BUCKETS if r < max_rank) + (max_rank,)
@@ -153,8 +161,10 @@ class DecodeGraphs:
         lora = None
         if rank:
             lora = LoraBatch(tables=self.tables, token_adapter=x[ADAPTER], max_rank=group_ranks(rank, groups))
-            if few:
+            if few is True:
                 lora.live_segments, lora.segment_programs = self.few_adapters, self.segment_programs
+            elif few:
+                lora.stacked, lora.stacks = self.stacks.rows(few), self.stacks
         return ForwardBatch(input_ids=x[IDS], positions=x[POS], out_slots=x[OUT_SLOT], attn=attn, lora=lora,
                             logits_index=self.q_start[:size])
 
@@ -217,6 +227,12 @@ class DecodeGraphs:
         top = max(ranks)
         rank = bucket(top, self.rank_buckets) if top else 0
         few = bool(rank and self.few_adapters) and busy_segments(adapter_ids, size) <= self.few_adapters
+        stack_most = launch_shapes().graph_few_stacked
+        if rank and stack_most and self.stacks is not None:
+            residents = list({s.adapter.resident_id: s.adapter for s in seqs if s.adapter is not None}.values())
+            if len(residents) <= stack_most:
+                few = stacked_columns([max(r.ranks) for r in residents])
+                self.stacks.fill(few, residents)
         groups = lora_groups(ranks) if rank else NO_GROUPS
         ctx = self._context_bucket(max(s.num_computed + 1 for s in seqs))
         graph = self._graph(size, rank, ctx, few, groups)

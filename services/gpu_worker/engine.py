@@ -24,10 +24,11 @@ from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
 from .cuda_graphs import DecodeGraphs, groups_of_modules
+from .graph_stacks import GraphStacks
 from .kernels.launch_shapes import set_launch_shapes
 from .lookahead import PENDING_TOKEN, ending_by_length, lookahead_rows, unfinished_prompts
 from .merge_mode import MergeMode
-from .model import LlamaModel
+from .model import DOWN, GATE_UP, O, QKV, LlamaModel
 from .ops import select_backend
 from .page_table import PageTable
 from .pool import UnifiedPool
@@ -116,11 +117,16 @@ class Engine:
         scratch_row = self.page_table.assign_row()
         self.page_table.append(scratch_row, 0, [scratch_slot])
         max_batch = min(self.config.cuda_graph_max_batch, self.config.max_running_requests)
+        # Rows of zeros in every layer, read by a stacked graph's columns past its adapters' rows.
+        zero_slot = self.pool.allocator.allocate(1)[0]
+        self.pool.kv[:, :, zero_slot] = 0
+        stacks = GraphStacks(self.cfg, (QKV, O, GATE_UP, DOWN), self.pool.slot_width, zero_slot,
+                             self.adapters.tables.ranks.shape[0], self.device)
         return DecodeGraphs(self.model, self.pool, self.adapters.tables, self.page_table, max_batch,
                             self.config.max_lora_rank, scratch_slot, scratch_row,
                             few_adapters=self.config.cuda_graph_few_adapters,
                             segment_programs=self.config.cuda_graph_segment_programs,
-                            warm_groups=groups_of_modules(self.config.graph_lora_targets()))
+                            warm_groups=groups_of_modules(self.config.graph_lora_targets()), stacks=stacks)
 
     def _slots_from_memory(self) -> int:
         if self.device.type != "cuda":

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from shared.model_config import ModelConfig
 
 from .ops.meta import AttnMeta, LoraBatch
+from .ops.stacked_lora import stacked_lora
 from .pool import UnifiedPool
 from .rope import Rotary
 from .weights import ModelWeights
@@ -50,6 +51,10 @@ class LlamaModel:
         max_rank = lora.group_max_rank(modules)
         if max_rank == 0:
             return
+        if lora.stacked is not None:
+            stacked_lora(x, pool.k(layer), pool.v(layer), lora.kernel_args["stack_positions"], lora.stacked[modules],
+                         out)
+            return
         hints = lora.kernel_args
         y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, lora.tables, modules, max_rank, **hints)
         self.ops.lora_expand(y, pool.v(layer), lora.token_adapter, lora.tables, modules, out, out_dims, **hints)
@@ -60,7 +65,10 @@ class LlamaModel:
         (the decode graphs' one output buffer: see cuda_graphs.py)."""
         cfg, ops, lora, eps = self.cfg, self.ops, batch.lora, self.cfg.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
-        if lora is not None and hasattr(ops, "prepare_lora"):
+        if lora is not None and lora.stacked is not None:
+            # Each token's place among the stacked adapters, once for every layer; no grouping by adapter.
+            lora.kernel_args = {"stack_positions": lora.stacks.positions(lora.token_adapter)}
+        elif lora is not None and hasattr(ops, "prepare_lora"):
             ops.prepare_lora(lora)
         layers = self.w.layers
         h = self.w.embed[batch.input_ids]

@@ -28,6 +28,10 @@ class Resident:
     ranks: tuple[int, ...]
     read_bytes: int = 0  # rows a step's LoRA kernels read for it (adapter_layout.lora_read_bytes)
     refcount: int = 0
+    # Where each module's A and Bᵀ rows begin in `slots` (the device tables' a_off and b_off rows), for the
+    # host's own indexing of them (graph_stacks.py).
+    a_off: tuple[int, ...] = ()
+    b_off: tuple[int, ...] = ()
 
 
 def adapter_ready(loader, name: str) -> bool:
@@ -185,7 +189,8 @@ class ResidentAdapters:
                 self._copying[name] = done
             self._write_tables(rid, slots, packed)
             res = Resident(name, rid, slots, packed.ranks,
-                           lora_read_bytes(packed.ranks, self.cfg, packed.rows.element_size()))
+                           lora_read_bytes(packed.ranks, self.cfg, packed.rows.element_size()),
+                           a_off=tuple(packed.a_off), b_off=tuple(packed.b_off))
             self._by_name[name] = res
             self._slots_in_use += need
             self.loads += 1

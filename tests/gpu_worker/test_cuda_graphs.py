@@ -108,3 +108,15 @@ def test_few_adapter_graphs_with_their_lora_tiles_dealt_match_eager(tmp_path):
                                        kernel_shapes="graph_few_shrink_deal,graph_few_expand_deal")
     assert {key[3] for key in graph_engine.graphs.graphs if key[1]} == {True}
     assert_eager_agrees(base, adapters, tokens, logits)
+
+
+def test_stacked_few_adapter_graphs_match_eager(tmp_path):
+    # kernel_shapes graph_few_stacked=4: every LoRA decode step (at most the two adapters) replays a graph whose
+    # LoRA is dense products over their rows side by side, 4 + 32 of 64 columns; the tokens stay the eager
+    # path's, the logits within its rounding.
+    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
+    adapters = adapters_of(base, tmp_path)
+    graph_engine, tokens, logits = run(base, adapters, graphs=True, few_adapters=4, kernel_shapes="graph_few_stacked=4")
+    assert {key[3] for key in graph_engine.graphs.graphs if key[1]} == {64}
+    assert graph_engine.graphs.stacks.fills >= 2  # the mix changes as requests end
+    assert_eager_agrees(base, adapters, tokens, logits)
