@@ -27,7 +27,7 @@ from benchmarks.kernels.graph_live_segments import RESULT_TOLERANCE, batch_of, m
 from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
 from benchmarks.kernels.timing import time_graph
 from services.gpu_worker import kernels
-from services.gpu_worker.ops.stacked_lora import stack_rows, stacked_lora, stacked_positions
+from services.gpu_worker.ops.stacked_lora import stack_mask, stack_rows, stacked_lora, stacked_positions
 
 KERNEL_PLAN = "bound live 32 p32"
 SETTINGS = (("llama3-8b", 512), ("llama2-7b", 384))  # S-GQA's and S2's running batches
@@ -65,12 +65,14 @@ def stacked_rows(model: str, group: str, batch: int, distinct: int, paddings: tu
     for columns in (need, *(c for c in paddings if c > need)):
         stack = stack_rows(pool.tables, adapters, modules, fan_in, out_dims, pool.width, zero, columns, device)
         checked = torch.zeros_like(out)
-        stacked_lora(x, pool.k(0), pool.v(0), positions, stack, checked)
+        stacked_lora(x, pool.k(0), pool.v(0), stack_mask(positions, stack.owner, dtype), stack, checked)
         diff = (checked.float() - reference.float()).abs().max().item() / scale
 
         def both():
+            # The mask is made once a step for every layer and group (model.forward); here once a layer call.
+            keep = stack_mask(positions, stack.owner, dtype)
             for layer in range(num_layers):
-                stacked_lora(x, pool.k(layer), pool.v(layer), positions, stack, out)
+                stacked_lora(x, pool.k(layer), pool.v(layer), keep, stack, out)
 
         plan = "stacked" if columns == need else f"stacked c{columns}"
         rows.append(_row(model, group, batch, distinct, plan, columns, time_graph(both) / num_layers * 1e3, diff))
@@ -89,14 +91,18 @@ def _time_products(x, pool: AdapterPool, positions, stack, out, num_layers: int,
     dense = []
     for layer in range(num_layers):
         a = pool.k(layer).index_select(0, stack.a_rows).view(groups * stack.columns, cin * width)[:, :stack.fan_in]
-        bts = [pool.v(layer).index_select(0, stack.b_rows[g]).view(stack.columns, -(-d // width) * width)[:, :d]
-               for g, d in enumerate(stack.out_dims)]
+        b = pool.v(layer).index_select(0, stack.b_rows)
+        bts, row = [], 0
+        for d in stack.out_dims:
+            n = stack.columns * -(-d // width)
+            bts.append(b[row: row + n].view(stack.columns, -1)[:, :d])
+            row += n
         dense.append((a, bts))
 
     def products(target, layers):
+        keep = stack_mask(positions, stack.owner, x.dtype)
         for a, bts in layers:
             y = torch.mm(x, a.t())
-            keep = (positions.long()[:, None] == stack.owner[None, :]).to(y.dtype)
             y = y.view(x.shape[0], groups, stack.columns).mul_(keep[:, None, :])
             col = 0
             for g, bt in enumerate(bts):

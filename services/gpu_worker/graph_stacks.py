@@ -13,7 +13,7 @@ import torch
 from shared.model_config import MODULES, ModelConfig
 
 from .ops.meta import LoraTables
-from .ops.stacked_lora import StackedRows, stack_rows
+from .ops.stacked_lora import StackedRows, stack_mask, stack_rows
 from .resident_adapters import Resident
 
 STACK_MIN_COLUMNS = 64
@@ -81,19 +81,25 @@ class GraphStacks:
         """Each token's place in the stack (-1: base model, padding or an adapter not stacked)."""
         return self.lookup[token_adapter.long().remainder(self.lookup.shape[0])]
 
+    def mask(self, token_adapter: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+        """The step's stack_mask over the `columns` buffers, shared by every group (laid out alike by fill)."""
+        owner = next(iter(self.rows(columns).values())).owner
+        return stack_mask(self.positions(token_adapter), owner, dtype)
+
     def fill(self, columns: int, residents: list[Resident]) -> None:
         """Point the `columns` buffers and the lookup at `residents` (the step's distinct adapters), unless they
         already are."""
         key = tuple((r.name, r.resident_id, r.slots[0] if r.slots else -1) for r in residents)
         if self.held.get(columns) != key:
             tables = host_tables(residents)
+            # Every group laid out alike (each adapter its widest rank over all modules): one mask a step.
+            widths = [max(r.ranks) for r in residents]
             for modules, dst in self.rows(columns).items():
                 fan_in, out_dims = self.dims[modules]
                 built = stack_rows(tables, list(range(len(residents))), modules, fan_in, out_dims, self.width,
-                                   self.zero_slot, columns)
+                                   self.zero_slot, columns, widths=widths)
                 _copy(dst.a_rows, built.a_rows)
-                for d, b in zip(dst.b_rows, built.b_rows):
-                    _copy(d, b)
+                _copy(dst.b_rows, built.b_rows)
                 _copy(dst.owner, built.owner)
             self.held[columns] = key
             self.fills += 1

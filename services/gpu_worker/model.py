@@ -52,8 +52,7 @@ class LlamaModel:
         if max_rank == 0:
             return
         if lora.stacked is not None:
-            stacked_lora(x, pool.k(layer), pool.v(layer), lora.kernel_args["stack_positions"], lora.stacked[modules],
-                         out)
+            stacked_lora(x, pool.k(layer), pool.v(layer), lora.kernel_args["stack_keep"], lora.stacked[modules], out)
             return
         hints = lora.kernel_args
         y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, lora.tables, modules, max_rank, **hints)
@@ -66,8 +65,9 @@ class LlamaModel:
         cfg, ops, lora, eps = self.cfg, self.ops, batch.lora, self.cfg.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
         if lora is not None and lora.stacked is not None:
-            # Each token's place among the stacked adapters, once for every layer; no grouping by adapter.
-            lora.kernel_args = {"stack_positions": lora.stacks.positions(lora.token_adapter)}
+            # Which stacked columns each token keeps, once for every layer and group; no grouping by adapter.
+            columns = next(iter(lora.stacked.values())).columns
+            lora.kernel_args = {"stack_keep": lora.stacks.mask(lora.token_adapter, columns, self.w.embed.dtype)}
         elif lora is not None and hasattr(ops, "prepare_lora"):
             ops.prepare_lora(lora)
         layers = self.w.layers

@@ -70,7 +70,7 @@ def test_the_models_lora_through_the_stacks_equals_the_segment_ops(engine_with_r
                 lora = LoraBatch(tables=engine.adapters.tables, token_adapter=token_adapter, max_rank=(32,) * 7)
                 if stacked:
                     lora.stacked, lora.stacks = stacks.rows(columns), stacks
-                    lora.kernel_args = {"stack_positions": stacks.positions(token_adapter)}
+                    lora.kernel_args = {"stack_keep": stacks.mask(token_adapter, columns, torch.float32)}
                 out = base.clone()
                 model._lora(x, out, lora, engine.pool, layer, modules, dims)
                 outs.append(out)
@@ -93,5 +93,7 @@ def test_a_fill_is_skipped_while_the_step_keeps_its_adapters(engine_with_residen
     stacks.fill(128, first)
     stacks.fill(64, first)
     assert stacks.fills == 4 and stacks.positions(torch.tensor([residents["attn"].resident_id])).tolist() == [0]
-    # Each adapter takes its widest rank's columns: 4 for "attn", 8 for "all"; the rest of the 64 none.
-    assert stacks.rows(64)[QKV].owner.tolist() == [0] * 4 + [1] * 8 + [-1] * 52
+    # Each adapter takes its widest rank's columns in every group, even one it does not adapt: 4 for "attn", 8
+    # for "all"; the rest of the 64 none.
+    for modules in GROUPS:
+        assert stacks.rows(64)[modules].owner.tolist() == [0] * 4 + [1] * 8 + [-1] * 52

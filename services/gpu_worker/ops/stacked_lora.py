@@ -30,12 +30,13 @@ class StackedRows:
     """A few adapters' rows of one fused group, as pool row indices and the owner of each column.
 
     a_rows `[G * columns * chunks_in]`: module g's A row for column c spans entries
-    `(g * columns + c) * chunks_in ...` (each an index into the K buffer's first axis). b_rows: per module,
-    `[columns * chunks_out_g]` indices into the V buffer for its Bᵀ rows. owner `[columns]`: the stack position
-    (0 .. len(adapters) - 1) whose row a column holds, -1 for padding."""
+    `(g * columns + c) * chunks_in ...` (each an index into the K buffer's first axis). b_rows
+    `[columns * sum(chunks_out)]`: module g's Bᵀ rows, `[columns * chunks_out_g]` indices into the V buffer, follow
+    the modules before it. owner `[columns]`: the stack position (0 .. len(adapters) - 1) whose row a column
+    holds, -1 for padding."""
 
     a_rows: torch.Tensor
-    b_rows: tuple[torch.Tensor, ...]
+    b_rows: torch.Tensor
     owner: torch.Tensor
     columns: int
     fan_in: int
@@ -44,15 +45,20 @@ class StackedRows:
 
 def stack_rows(tables: LoraTables, adapters: list[int], modules: tuple[int, ...], fan_in: int,
                out_dims: tuple[int, ...], width: int, zero_slot: int, columns: int | None = None,
-               device: torch.device | str = "cpu") -> StackedRows:
-    """Index the rows of `adapters` (resident ids, in stack order) for `modules`. `tables` on the host. A
-    module an adapter does not adapt (rank 0) reads the zero slot in its columns; `columns` (default: the
-    adapters' widest ranks over the group, summed) pads every module's block to the same width with
-    `zero_slot`, a slot whose rows hold zeros (a graph replays one width for any few adapters)."""
+               device: torch.device | str = "cpu", widths: list[int] | None = None) -> StackedRows:
+    """Index the rows of `adapters` (resident ids, in stack order) for `modules`. `tables` on the host.
+
+    Adapter i takes widths[i] columns (default: its widest rank over the group's modules; a caller stacking
+    every group the same way passes its widest rank over all modules, so one mask serves every group); a
+    module it adapts at a lower rank, or not at all, reads `zero_slot` (a slot whose rows hold zeros) in the
+    rest. `columns` (default: the widths summed) pads every module's block to the same width (a graph replays
+    one width for any few adapters)."""
     if len(out_dims) != len(modules):
         raise ValueError(f"out_dims has {len(out_dims)} entries for {len(modules)} modules")
     ranks = tables.ranks.cpu()
-    need = sum(max(int(ranks[a, m]) for m in modules) for a in adapters)
+    if widths is None:
+        widths = [max(int(ranks[a, m]) for m in modules) for a in adapters]
+    need = sum(widths)
     columns = need if columns is None else columns
     if columns < need:
         raise ValueError(f"columns={columns} cannot hold these adapters' rows side by side ({need} needed)")
@@ -60,23 +66,21 @@ def stack_rows(tables: LoraTables, adapters: list[int], modules: tuple[int, ...]
     cin = chunks(fan_in, width)
     a_rows = torch.full((len(modules), columns, cin), zero_slot, dtype=torch.int64)
     b_rows = [torch.full((columns, chunks(d, width)), zero_slot, dtype=torch.int64) for d in out_dims]
-    # Every module's block packs the adapters in the same order but at its own ranks; the owner of a column
-    # must be one for all modules (one mask for the group), so each adapter takes the widest of its modules'
-    # ranks in every block and the narrower modules' extra columns read the zero slot.
     owner = torch.full((columns,), -1, dtype=torch.int64)
     col = 0
-    for pos, a in enumerate(adapters):
-        width_a = max(int(ranks[a, m]) for m in modules)
+    for pos, (a, width_a) in enumerate(zip(adapters, widths)):
         owner[col: col + width_a] = pos
         for g, m in enumerate(modules):
             r = int(ranks[a, m])
+            if r > width_a:
+                raise ValueError(f"adapter {a} has rank {r} for module {m}, wider than its {width_a} columns")
             if r == 0:
                 continue
             a_rows[g, col: col + r] = slots[a, a_off[a, m]: a_off[a, m] + r * cin].long().view(r, cin)
             cout = b_rows[g].shape[1]
             b_rows[g][col: col + r] = slots[a, b_off[a, m]: b_off[a, m] + r * cout].long().view(r, cout)
         col += width_a
-    return StackedRows(a_rows.reshape(-1).to(device), tuple(b.reshape(-1).to(device) for b in b_rows),
+    return StackedRows(a_rows.reshape(-1).to(device), torch.cat([b.reshape(-1) for b in b_rows]).to(device),
                        owner.to(device), columns, fan_in, tuple(out_dims))
 
 
@@ -91,21 +95,27 @@ def stacked_positions(token_adapter: torch.Tensor, adapters: list[int]) -> torch
     return lookup[ids]
 
 
-def stacked_lora(x: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, token_pos: torch.Tensor,
-                 rows: StackedRows, out: torch.Tensor) -> None:
-    """out[t, cols of module g] += (x[t] @ A_gᵀ) @ (scaled B_g)ᵀ for the adapter at token t's stack position
-    (token_pos, -1: nothing added), in place. `out` is `[T, sum(out_dims)]`."""
+def stack_mask(token_pos: torch.Tensor, owner: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[T, columns]`: 1 where a column holds the row of token t's adapter, else 0 (and 0 throughout for a
+    token at position -1). Groups stacked with one layout share it: one mask a step."""
+    return (token_pos.long()[:, None] == owner[None, :]).to(dtype)
+
+
+def stacked_lora(x: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, keep: torch.Tensor, rows: StackedRows,
+                 out: torch.Tensor) -> None:
+    """out[t, cols of module g] += (x[t] @ A_gᵀ) @ (scaled B_g)ᵀ for the adapter whose columns `keep[t]` (from
+    stack_mask) selects, in place. `out` is `[T, sum(out_dims)]`."""
     num_tokens = x.shape[0]
     width = k_buf.shape[1]
     groups = len(rows.out_dims)
     cin = chunks(rows.fan_in, width)
     a = k_buf.index_select(0, rows.a_rows).view(groups * rows.columns, cin * width)[:, :rows.fan_in]
     y = torch.mm(x, a.t())  # [T, G * columns]: every token against every stacked adapter
-    keep = (token_pos.long()[:, None] == rows.owner[None, :]).to(y.dtype)  # [T, columns]
     y = y.view(num_tokens, groups, rows.columns).mul_(keep[:, None, :])
-    col = 0
+    b = v_buf.index_select(0, rows.b_rows)  # every module's Bᵀ rows in one gather
+    col = row = 0
     for g, d in enumerate(rows.out_dims):
-        cout = chunks(d, width)
-        bt = v_buf.index_select(0, rows.b_rows[g]).view(rows.columns, cout * width)[:, :d]
+        n = rows.columns * chunks(d, width)
+        bt = b[row: row + n].view(rows.columns, -1)[:, :d]
         out[:, col: col + d].addmm_(y[:, g], bt)
-        col += d
+        col, row = col + d, row + n
