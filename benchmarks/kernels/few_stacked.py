@@ -11,7 +11,7 @@ plan (an eager step's launch, which the kernel tests check against the reference
   stacked cN     the same over N columns (a graph planned for any few adapters pads to its most)
   stacked rows   the products alone, the rows gathered once before timing (what caching the stack would give)
 
-    python -m benchmarks.kernels.few_stacked --out few_stacked.json
+    python -m benchmarks.kernels.few_stacked --out few_stacked.json --plot few_stacked.png
     python -m benchmarks.kernels.few_stacked --smoke --out /tmp/x.json   # CPU, tiny shapes
 """
 from __future__ import annotations
@@ -127,12 +127,43 @@ def kernel_rows(model: str, group: str, batch: int, distinct: int, device: str, 
             for r in rows]
 
 
+PLOTTED = ("kernels", "stacked", "stacked rows")
+
+
+def plot_rows(rows: list[dict], path: str) -> None:
+    """Bars of a layer call's microseconds, one panel per model and batch: each group over each adapter count,
+    the kernels beside the stacked products with and without the gather."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({(r["model"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, len(settings), figsize=(7 * len(settings), 4.2), squeeze=False)
+    for ax, (model, batch) in zip(axes[0], settings):
+        mine = [r for r in rows if (r["model"], r["batch"]) == (model, batch)]
+        cells = sorted({(r["group"], r["distinct_adapters"]) for r in mine}, key=lambda c: (c[0], c[1]))
+        us = {(r["group"], r["distinct_adapters"], r["plan"]): r["us"] for r in mine}
+        for i, plan in enumerate(PLOTTED):
+            ax.bar([j + (i - 1) * 0.27 for j in range(len(cells))], [us.get((*c, plan), float("nan")) for c in cells],
+                   width=0.27, label=plan)
+        ax.set_xticks(range(len(cells)), [f"{g}\n{n}" for g, n in cells], fontsize=8)
+        ax.set_xlabel("module group, adapters in the batch")
+        ax.set_ylabel("µs a layer call")
+        ax.set_title(f"LoRA over a few adapters, {model}, batch {batch}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--distinct", default="2,5,8", help="adapters in the batch, comma-separated")
     p.add_argument("--groups", default=",".join(GROUPS))
     p.add_argument("--paddings", default="256,512", help="column counts of the padded stacked plans")
     p.add_argument("--out", required=True)
+    p.add_argument("--plot", help="a PNG of the rows' times")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script runs")
     args = p.parse_args()
     settings, device, layers = SETTINGS, "cuda", 8
@@ -155,6 +186,8 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
                    "rows": rows}, f, indent=1)
+    if args.plot:
+        plot_rows(rows, args.plot)
     bad = [r for r in rows if r["max_rel_diff_vs_exact"] > RESULT_TOLERANCE]
     for r in bad:
         print(f"MISMATCH {r['model']} {r['group']} over {r['distinct_adapters']} {r['plan']}: "
