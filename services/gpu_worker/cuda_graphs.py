@@ -100,6 +100,19 @@ def busy_segments(adapter_ids: list[int | None], size: int) -> int:
     return len({a for a in adapter_ids if a is not None}) + base
 
 
+def step_residents(seqs: list[Sequence]) -> list:
+    """A step's distinct adapters (resident_adapters.Resident), in the order its requests first name them."""
+    return list({s.adapter.resident_id: s.adapter for s in seqs if s.adapter is not None}.values())
+
+
+def stacked_plan(residents: list, most: int) -> int:
+    """The column count of the stacked graph a LoRA step over these adapters replays (kernel_shapes
+    graph_few_stacked = `most`), or 0 for the segment launches: more than `most` adapters, or the word off."""
+    if not most or not residents or len(residents) > most:
+        return 0
+    return stacked_columns([max(r.ranks) for r in residents])
+
+
 # batch, rank, context, LoRA plan, LoRA groups. The plan: False, the segment launches planned for every segment;
 # True, the few-adapter plan; a column count (STACK_MIN_COLUMNS or more), the stacked products over that many.
 GraphKey = tuple[int, int, int, bool | int, tuple[bool, ...]]
@@ -227,12 +240,12 @@ class DecodeGraphs:
         top = max(ranks)
         rank = bucket(top, self.rank_buckets) if top else 0
         few = bool(rank and self.few_adapters) and busy_segments(adapter_ids, size) <= self.few_adapters
-        stack_most = launch_shapes().graph_few_stacked
-        if rank and stack_most and self.stacks is not None:
-            residents = list({s.adapter.resident_id: s.adapter for s in seqs if s.adapter is not None}.values())
-            if len(residents) <= stack_most:
-                few = stacked_columns([max(r.ranks) for r in residents])
-                self.stacks.fill(few, residents)
+        if rank and self.stacks is not None:
+            residents = step_residents(seqs)
+            columns = stacked_plan(residents, launch_shapes().graph_few_stacked)
+            if columns:
+                few = columns
+                self.stacks.fill(columns, residents)
         groups = lora_groups(ranks) if rank else NO_GROUPS
         ctx = self._context_bucket(max(s.num_computed + 1 for s in seqs))
         graph = self._graph(size, rank, ctx, few, groups)

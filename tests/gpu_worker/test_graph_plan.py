@@ -3,7 +3,9 @@ needs a GPU: tests/gpu_worker/test_cuda_graphs.py)."""
 import pytest
 
 from services.gpu_worker.cuda_graphs import (ALL_GROUPS, NO_GROUPS, busy_segments, capture_plan, group_ranks,
-                                             groups_of_modules, lora_groups, lora_plans, step_ranks)
+                                             groups_of_modules, lora_groups, lora_plans, stacked_plan, step_ranks,
+                                             step_residents)
+from services.gpu_worker.resident_adapters import Resident
 from shared.config import EngineConfig
 
 
@@ -83,3 +85,20 @@ def test_warm_up_captures_the_groups_of_the_modules_served_adapters_adapt():
 def test_graph_lora_targets_name_adaptable_modules(value):
     with pytest.raises(ValueError, match="cuda_graph_lora_targets"):
         EngineConfig(cuda_graph_lora_targets=value)
+
+
+class _Seq:
+    def __init__(self, adapter):
+        self.adapter = adapter
+
+
+def test_a_step_of_few_adapters_replays_the_stacked_graph_of_their_widest_ranks_summed():
+    a, b, c = (Resident(n, i, [], ranks) for i, (n, ranks) in enumerate(
+        [("a", (8, 8, 8, 8, 0, 0, 0)), ("b", (0, 64, 0, 0, 16, 16, 16)), ("c", (4,) * 7)]))
+    # Requests name adapters in any order and more than once; base-model requests name none.
+    residents = step_residents([_Seq(b), _Seq(None), _Seq(a), _Seq(b), _Seq(c)])
+    assert [r.name for r in residents] == ["b", "a", "c"]
+    assert stacked_plan(residents, 4) == 128  # 64 + 8 + 4 columns, in a power of two from 64
+    assert stacked_plan(residents[1:], 4) == 64
+    # Off, more adapters than the word allows, or a base-model step: the segment launches.
+    assert stacked_plan(residents, 0) == stacked_plan(residents, 2) == stacked_plan([], 4) == 0
