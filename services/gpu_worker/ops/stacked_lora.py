@@ -9,11 +9,11 @@ and expand ~25 µs a launch, against a few µs of x, y and output traffic; docs/
 adapters' columns does n times the shrink FLOPs a token needs, which at a few adapters and ranks of 8-64 is
 still far below a step's base GEMMs, on the tensor cores at cuBLAS's tiling.
 
-Columns: `columns` (at least the adapters' ranks summed) of A rows, packed adapter after adapter, each module of
-the group in a block of its own; a column past the adapters' rows reads the pool's zero slot and belongs to no
-adapter. The gather reads each adapter's rows once, as the segment kernels do; the products never read them
-again from the pool. Results equal ops.reference's up to the sum's order (fp32 accumulation, one rounding of
-the output).
+Columns: `columns` (at least the adapters' widths summed) of A rows, packed adapter after adapter, each module
+of the group in a block of its own; a column past an adapter's rows for a module reads the pool's zero slot, and
+one past every adapter's belongs to none. The gather reads each adapter's rows once, as the segment kernels do,
+and writes them once more as the products' dense operands. Results equal ops.reference's up to the sum's order
+(fp32 accumulation, one rounding of the output).
 """
 from __future__ import annotations
 
