@@ -127,6 +127,12 @@ def kernel_rows(model: str, group: str, batch: int, distinct: int, device: str, 
             for r in rows]
 
 
+def write_rows(path: str, rows: list[dict], device: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+                   "rows": rows}, f, indent=1)
+
+
 PLOTTED = ("kernels", "stacked", "stacked rows")
 
 
@@ -178,14 +184,12 @@ def main() -> int:
         found += stacked_rows(model, group, batch, n, paddings, num_layers=layers, device=device,
                               dtype=torch.float32 if args.smoke else torch.bfloat16)
         rows += found
+        write_rows(args.out, rows, device)  # after every combination: a run cut short keeps what it measured
         kernel_us = found[0]["us"]
         print(f"[{i + 1}/{len(combos)}] {model} {group} batch {batch} over {n}: "
               + ", ".join(f"{r['plan']} {r['us']:.1f} µs" for r in found)
               + (f" (stacked / kernels {found[2]['us'] / kernel_us:.2f})" if not math.isnan(kernel_us) else ""),
               file=sys.stderr, flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-                   "rows": rows}, f, indent=1)
     if args.plot:
         plot_rows(rows, args.plot)
     bad = [r for r in rows if r["max_rel_diff_vs_exact"] > RESULT_TOLERANCE]
