@@ -40,8 +40,8 @@ Words, comma-separated:
   graph_few_stacked=N   decode graphs of steps carrying at most N distinct adapters run their LoRA as dense
                         products (ops.stacked_lora: the adapters' rows gathered side by side from the pool, one
                         shrink GEMM over all of them, one expand GEMM a module) instead of the segment kernels;
-                        the columns are the adapters' ranks summed, bucketed to a power of two from 64 (default
-                        off until timed: benchmarks/plans/few_stacked.yaml)
+                        N any count; the columns are the adapters' widest ranks summed, bucketed to a power of two
+                        from 64 (default off until timed: benchmarks/plans/few_stacked.yaml)
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
@@ -66,6 +66,8 @@ from dataclasses import dataclass, fields
 
 # Words that take a register count (any number ptxas accepts), not a power of two.
 REGISTER_WORDS = ("expand_registers",)
+# Words that take a count of adapters, any positive number.
+COUNT_WORDS = ("graph_few_stacked",)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,10 @@ class LaunchShapes:
                 if not eq or not value.isdigit() or not 24 <= int(value) <= 255:
                     raise ValueError(f"kernel_shapes: {name} needs a register count from 24 to 255, as {name}=56; "
                                      f"got {word!r}")
+                values[name] = int(value)
+            elif name in COUNT_WORDS:
+                if not eq or not value.isdigit() or int(value) <= 0:
+                    raise ValueError(f"kernel_shapes: {name} needs a count of adapters, as {name}=8; got {word!r}")
                 values[name] = int(value)
             elif field.type in ("int", int):
                 if not eq or not value.isdigit() or int(value) <= 0 or int(value) & (int(value) - 1):

@@ -43,6 +43,11 @@ class ModelConfig:
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
+    def group_dims(self, modules: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+        """(in_features shared by a fused group of MODULES indices, their out_features in order)."""
+        dims = [self.module_dims(MODULES[m]) for m in modules]
+        return dims[0][0], tuple(d[1] for d in dims)
+
     def module_dims(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of an adaptable linear module."""
         h, i = self.hidden_size, self.intermediate_size

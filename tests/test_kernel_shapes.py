@@ -144,3 +144,11 @@ def test_the_launchers_choose_the_shapes_set_and_their_own_again_after():
     finally:
         set_launch_shapes(LaunchShapes())
     assert chosen() == own
+
+
+def test_the_stacked_plan_takes_any_count_of_adapters_and_is_off_by_default():
+    assert LaunchShapes().graph_few_stacked == 0
+    assert LaunchShapes.parse("graph_few_stacked=5").graph_few_stacked == 5  # not only powers of two
+    for bad in ("graph_few_stacked", "graph_few_stacked=0", "graph_few_stacked=x"):
+        with pytest.raises(ValueError, match="graph_few_stacked needs a count of adapters"):
+            LaunchShapes.parse(bad)

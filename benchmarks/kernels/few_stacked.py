@@ -27,7 +27,8 @@ from benchmarks.kernels.graph_live_segments import RESULT_TOLERANCE, batch_of, m
 from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
 from benchmarks.kernels.timing import time_graph
 from services.gpu_worker import kernels
-from services.gpu_worker.ops.stacked_lora import stack_mask, stack_rows, stacked_lora, stacked_positions
+from services.gpu_worker.ops.stacked_lora import (gather_stack, stack_mask, stack_rows, stacked_lora,
+                                                  stacked_positions, stacked_products)
 
 KERNEL_PLAN = "bound live 32 p32"
 SETTINGS = (("llama3-8b", 512), ("llama2-7b", 384))  # S-GQA's and S2's running batches
@@ -85,29 +86,12 @@ def stacked_rows(model: str, group: str, batch: int, distinct: int, paddings: tu
 def _time_products(x, pool: AdapterPool, positions, stack, out, num_layers: int, reference, scale) -> tuple[float, float]:
     """Microseconds a layer of the products alone, each layer's rows gathered into dense stacks beforehand, and
     their output's distance from the kernels' exact plan."""
-    width = pool.width
-    groups = len(stack.out_dims)
-    cin = -(-stack.fan_in // width)
-    dense = []
-    for layer in range(num_layers):
-        a = pool.k(layer).index_select(0, stack.a_rows).view(groups * stack.columns, cin * width)[:, :stack.fan_in]
-        b = pool.v(layer).index_select(0, stack.b_rows)
-        bts, row = [], 0
-        for d in stack.out_dims:
-            n = stack.columns * -(-d // width)
-            bts.append(b[row: row + n].view(stack.columns, -1)[:, :d])
-            row += n
-        dense.append((a, bts))
+    dense = [gather_stack(pool.k(layer), pool.v(layer), stack) for layer in range(num_layers)]
+    keep = stack_mask(positions, stack.owner, x.dtype)
 
     def products(target, layers):
-        keep = stack_mask(positions, stack.owner, x.dtype)
         for a, bts in layers:
-            y = torch.mm(x, a.t())
-            y = y.view(x.shape[0], groups, stack.columns).mul_(keep[:, None, :])
-            col = 0
-            for g, bt in enumerate(bts):
-                target[:, col: col + bt.shape[1]].addmm_(y[:, g], bt)
-                col += bt.shape[1]
+            stacked_products(x, a, bts, keep, target)
 
     checked = torch.zeros_like(out)
     products(checked, dense[:1])

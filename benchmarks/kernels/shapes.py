@@ -28,9 +28,8 @@ GROUPS = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
 
 
 def group_dims(cfg: ModelConfig, modules: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-    """(fan_in shared by the group, out_dims)."""
-    dims = [cfg.module_dims(MODULES[m]) for m in modules]
-    return dims[0][0], tuple(d[1] for d in dims)
+    """(fan_in shared by the group, out_dims): ModelConfig.group_dims."""
+    return cfg.group_dims(modules)
 
 
 class AdapterPool:

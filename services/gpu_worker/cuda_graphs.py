@@ -177,7 +177,7 @@ class DecodeGraphs:
             if few is True:
                 lora.live_segments, lora.segment_programs = self.few_adapters, self.segment_programs
             elif few:
-                lora.stacked, lora.stacks = self.stacks.rows(few), self.stacks
+                lora.stacks, lora.stack_columns = self.stacks, few
         return ForwardBatch(input_ids=x[IDS], positions=x[POS], out_slots=x[OUT_SLOT], attn=attn, lora=lora,
                             logits_index=self.q_start[:size])
 
@@ -240,11 +240,12 @@ class DecodeGraphs:
         top = max(ranks)
         rank = bucket(top, self.rank_buckets) if top else 0
         few = bool(rank and self.few_adapters) and busy_segments(adapter_ids, size) <= self.few_adapters
-        if rank and self.stacks is not None:
+        stack_most = launch_shapes().graph_few_stacked
+        if rank and stack_most and self.stacks is not None:  # no scan of the step's adapters while it is off
             residents = step_residents(seqs)
-            columns = stacked_plan(residents, launch_shapes().graph_few_stacked)
+            columns = stacked_plan(residents, stack_most)
             if columns:
-                few = columns
+                few = columns  # the graph key's LoRA plan: the stacked graph over that many columns
                 self.stacks.fill(columns, residents)
         groups = lora_groups(ranks) if rank else NO_GROUPS
         ctx = self._context_bucket(max(s.num_computed + 1 for s in seqs))

@@ -57,10 +57,7 @@ class GraphStacks:
         """`zero_slot`: a pool slot whose rows are zeros in every layer, read by the columns past the adapters'
         rows."""
         self.width, self.zero_slot, self.device = slot_width, zero_slot, device
-        self.dims = {}
-        for modules in groups:
-            dims = [cfg.module_dims(MODULES[m]) for m in modules]
-            self.dims[modules] = (dims[0][0], tuple(d[1] for d in dims))
+        self.dims = {modules: cfg.group_dims(modules) for modules in groups}
         # Resident id -> place in the stack; the last entry answers -1 (base-model and padding rows).
         self.lookup = torch.full((max_resident + 1,), -1, dtype=torch.int32, device=device)
         self.buffers: dict[int, dict[tuple[int, ...], StackedRows]] = {}

@@ -51,12 +51,23 @@ class LlamaModel:
         max_rank = lora.group_max_rank(modules)
         if max_rank == 0:
             return
-        if lora.stacked is not None:
-            stacked_lora(x, pool.k(layer), pool.v(layer), lora.kernel_args["stack_keep"], lora.stacked[modules], out)
+        if lora.stack_columns:
+            stacked_lora(x, pool.k(layer), pool.v(layer), lora.kernel_args["stack_keep"],
+                         lora.stacks.rows(lora.stack_columns)[modules], out)
             return
         hints = lora.kernel_args
         y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, lora.tables, modules, max_rank, **hints)
         self.ops.lora_expand(y, pool.v(layer), lora.token_adapter, lora.tables, modules, out, out_dims, **hints)
+
+    def prepare_lora(self, lora: LoraBatch) -> None:
+        """A step's LoRA work shared by every layer: a stacked graph's column mask, or the backend's grouping of
+        tokens by adapter."""
+        if lora.stack_columns:
+            # Which stacked columns each token keeps, once for every layer and group; no grouping by adapter.
+            lora.kernel_args = {"stack_keep": lora.stacks.mask(lora.token_adapter, lora.stack_columns,
+                                                               self.w.embed.dtype)}
+        elif hasattr(self.ops, "prepare_lora"):
+            self.ops.prepare_lora(lora)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: UnifiedPool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,12 +75,8 @@ class LlamaModel:
         (the decode graphs' one output buffer: see cuda_graphs.py)."""
         cfg, ops, lora, eps = self.cfg, self.ops, batch.lora, self.cfg.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
-        if lora is not None and lora.stacked is not None:
-            # Which stacked columns each token keeps, once for every layer and group; no grouping by adapter.
-            columns = next(iter(lora.stacked.values())).columns
-            lora.kernel_args = {"stack_keep": lora.stacks.mask(lora.token_adapter, columns, self.w.embed.dtype)}
-        elif lora is not None and hasattr(ops, "prepare_lora"):
-            ops.prepare_lora(lora)
+        if lora is not None:
+            self.prepare_lora(lora)
         layers = self.w.layers
         h = self.w.embed[batch.input_ids]
         x = ops.rms_norm(h, layers[0].input_norm, eps)

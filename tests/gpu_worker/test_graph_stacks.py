@@ -69,8 +69,8 @@ def test_the_models_lora_through_the_stacks_equals_the_segment_ops(engine_with_r
             for stacked in (False, True):
                 lora = LoraBatch(tables=engine.adapters.tables, token_adapter=token_adapter, max_rank=(32,) * 7)
                 if stacked:
-                    lora.stacked, lora.stacks = stacks.rows(columns), stacks
-                    lora.kernel_args = {"stack_keep": stacks.mask(token_adapter, columns, torch.float32)}
+                    lora.stacks, lora.stack_columns = stacks, columns
+                model.prepare_lora(lora)  # as forward does, once a step
                 out = base.clone()
                 model._lora(x, out, lora, engine.pool, layer, modules, dims)
                 outs.append(out)

@@ -61,11 +61,11 @@ class LoraBatch:
     segment_programs: int = 0
     # Backend-specific launch hints (e.g. tokens grouped by adapter); they never change results.
     kernel_args: dict = field(default_factory=dict)
-    # A decode graph's stacked LoRA (kernel_shapes graph_few_stacked, graph_stacks.py): per module group the
-    # rows of the step's few adapters side by side, and the stacks' resident-id lookup; the model then runs
-    # ops.stacked_lora instead of the backend's shrink and expand. None: the segment launches.
-    stacked: dict | None = None
-    stacks: object | None = None  # graph_stacks.GraphStacks
+    # A decode graph's stacked LoRA (kernel_shapes graph_few_stacked): the stacks (graph_stacks.GraphStacks) and
+    # the column count of the buffers it reads; the model then runs ops.stacked_lora instead of the backend's
+    # shrink and expand. 0: the segment launches.
+    stacks: object | None = None
+    stack_columns: int = 0
 
     @property
     def num_segments(self) -> int | None:

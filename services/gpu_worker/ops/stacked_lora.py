@@ -101,21 +101,37 @@ def stack_mask(token_pos: torch.Tensor, owner: torch.Tensor, dtype: torch.dtype)
     return (token_pos.long()[:, None] == owner[None, :]).to(dtype)
 
 
+def gather_stack(k_buf: torch.Tensor, v_buf: torch.Tensor, rows: StackedRows
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One layer's dense operands: A `[G * columns, fan_in]` and each module's Bᵀ `[columns, out_dim]` (views
+    into two gathers, one from each buffer)."""
+    width = k_buf.shape[1]
+    groups = len(rows.out_dims)
+    a = k_buf.index_select(0, rows.a_rows).view(groups * rows.columns, -1)[:, :rows.fan_in]
+    b = v_buf.index_select(0, rows.b_rows)  # every module's Bᵀ rows in one gather
+    bts, row = [], 0
+    for d in rows.out_dims:
+        n = rows.columns * chunks(d, width)
+        bts.append(b[row: row + n].view(rows.columns, -1)[:, :d])
+        row += n
+    return a, bts
+
+
+def stacked_products(x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], keep: torch.Tensor,
+                     out: torch.Tensor) -> None:
+    """out[:, cols of module g] += ((x @ aᵀ) masked by `keep`)[:, block g] @ bts[g], in place."""
+    groups, columns = len(bts), keep.shape[1]
+    y = torch.mm(x, a.t())  # [T, G * columns]: every token against every stacked adapter
+    y = y.view(x.shape[0], groups, columns).mul_(keep[:, None, :])
+    col = 0
+    for g, bt in enumerate(bts):
+        out[:, col: col + bt.shape[1]].addmm_(y[:, g], bt)
+        col += bt.shape[1]
+
+
 def stacked_lora(x: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, keep: torch.Tensor, rows: StackedRows,
                  out: torch.Tensor) -> None:
     """out[t, cols of module g] += (x[t] @ A_gᵀ) @ (scaled B_g)ᵀ for the adapter whose columns `keep[t]` (from
     stack_mask) selects, in place. `out` is `[T, sum(out_dims)]`."""
-    num_tokens = x.shape[0]
-    width = k_buf.shape[1]
-    groups = len(rows.out_dims)
-    cin = chunks(rows.fan_in, width)
-    a = k_buf.index_select(0, rows.a_rows).view(groups * rows.columns, cin * width)[:, :rows.fan_in]
-    y = torch.mm(x, a.t())  # [T, G * columns]: every token against every stacked adapter
-    y = y.view(num_tokens, groups, rows.columns).mul_(keep[:, None, :])
-    b = v_buf.index_select(0, rows.b_rows)  # every module's Bᵀ rows in one gather
-    col = row = 0
-    for g, d in enumerate(rows.out_dims):
-        n = rows.columns * chunks(d, width)
-        bt = b[row: row + n].view(rows.columns, -1)[:, :d]
-        out[:, col: col + d].addmm_(y[:, g], bt)
-        col, row = col + d, row + n
+    a, bts = gather_stack(k_buf, v_buf, rows)
+    stacked_products(x, a, bts, keep, out)
