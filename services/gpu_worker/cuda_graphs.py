@@ -24,11 +24,13 @@ planned for that many busy segments and share the segments out among a few progr
 ones; the other steps replay graphs planned for every segment (at ~100 adapters in a batch of 256 most
 segments are busy, and that plan is the faster one). With kernel_shapes' graph_few_stacked = N, steps of at most
 N distinct adapters replay graphs whose LoRA is dense products over the adapters' rows side by side
-(ops/stacked_lora.py), keyed by their column count (graph_stacks.py); captured at first use, not at warm-up.
+(ops/stacked_lora.py), keyed by their column count (graph_stacks.py) and by whether they read the rows from held
+buffers (graph_stacked_held, held_stacks.py) or gather them; captured at first use, not at warm-up.
 """
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -101,21 +103,33 @@ def busy_segments(adapter_ids: list[int | None], size: int) -> int:
 
 
 def step_residents(seqs: list[Sequence]) -> list:
-    """A step's distinct adapters (resident_adapters.Resident), in the order its requests first name them."""
-    return list({s.adapter.resident_id: s.adapter for s in seqs if s.adapter is not None}.values())
+    """A step's distinct adapters (resident_adapters.Resident), by resident id: steps over the same adapters
+    stack them alike whatever the order of their requests, and the stacks are not filled again."""
+    by_id = {s.adapter.resident_id: s.adapter for s in seqs if s.adapter is not None}
+    return [by_id[i] for i in sorted(by_id)]
 
 
-def stacked_plan(residents: list, most: int) -> int:
-    """The column count of the stacked graph a LoRA step over these adapters replays (kernel_shapes
-    graph_few_stacked = `most`), or 0 for the segment launches: more than `most` adapters, or the word off."""
+class StackPlan(NamedTuple):
+    """A stacked graph's LoRA: its column count, and whether it reads the rows from the held buffers."""
+    columns: int
+    held: bool
+
+
+def stacked_plan(residents: list, most: int, held: int = 0) -> StackPlan | None:
+    """The stacked graph a LoRA step over these adapters replays (kernel_shapes graph_few_stacked = `most`,
+    graph_stacked_held = `held`), or None for the segment launches: more than `most` adapters, more columns than
+    `held` allows, or the word off."""
     if not most or not residents or len(residents) > most:
-        return 0
-    return stacked_columns([max(r.ranks) for r in residents])
+        return None
+    columns = stacked_columns([max(r.ranks) for r in residents])
+    if held and columns > held:
+        return None
+    return StackPlan(columns, bool(held))
 
 
 # batch, rank, context, LoRA plan, LoRA groups. The plan: False, the segment launches planned for every segment;
-# True, the few-adapter plan; a column count (STACK_MIN_COLUMNS or more), the stacked products over that many.
-GraphKey = tuple[int, int, int, bool | int, tuple[bool, ...]]
+# True, the few-adapter plan; a StackPlan, the stacked products.
+GraphKey = tuple[int, int, int, "bool | StackPlan", tuple[bool, ...]]
 
 
 def capture_plan(batch_buckets: tuple[int, ...], rank_buckets: tuple[int, ...],
@@ -167,7 +181,7 @@ class DecodeGraphs:
     def _context_bucket(self, ctx: int) -> int:
         return context_bucket(ctx, self.page_table.max_len)
 
-    def _batch(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]) -> ForwardBatch:
+    def _batch(self, size: int, rank: int, ctx: int, few: "bool | StackPlan", groups: tuple[bool, ...]) -> ForwardBatch:
         x = self.inputs[:, :size]
         attn = AttnMeta(q_start=self.q_start[: size + 1], ctx_lens=x[CTX], slot_table=self.slot_table[:size],
                         max_q_len=1, max_ctx_len=ctx, decode_only=True)
@@ -177,7 +191,7 @@ class DecodeGraphs:
             if few is True:
                 lora.live_segments, lora.segment_programs = self.few_adapters, self.segment_programs
             elif few:
-                lora.stacks, lora.stack_columns = self.stacks, few
+                lora.stacks, lora.stack_columns, lora.stack_held = self.stacks, few.columns, few.held
         return ForwardBatch(input_ids=x[IDS], positions=x[POS], out_slots=x[OUT_SLOT], attn=attn, lora=lora,
                             logits_index=self.q_start[:size])
 
@@ -185,7 +199,7 @@ class DecodeGraphs:
         torch.index_select(self.page_table.table, 0, self.inputs[ROW, :size], out=self.slot_table[:size])
         return self.model.forward(batch, self.pool, logits_out=self.logits[:size])
 
-    def _capture(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]) -> torch.cuda.CUDAGraph:
+    def _capture(self, size: int, rank: int, ctx: int, few: "bool | StackPlan", groups: tuple[bool, ...]) -> torch.cuda.CUDAGraph:
         self.inputs[:, :size] = self.padding[:, None].to(self.inputs.device)
         batch = self._batch(size, rank, ctx, few, groups)
         side = torch.cuda.Stream(self.pool.device)
@@ -222,7 +236,7 @@ class DecodeGraphs:
                 done += 1
         return done
 
-    def _graph(self, size: int, rank: int, ctx: int, few: bool, groups: tuple[bool, ...]) -> torch.cuda.CUDAGraph:
+    def _graph(self, size: int, rank: int, ctx: int, few: "bool | StackPlan", groups: tuple[bool, ...]) -> torch.cuda.CUDAGraph:
         key = (size, rank, ctx, few, groups)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
@@ -240,13 +254,13 @@ class DecodeGraphs:
         top = max(ranks)
         rank = bucket(top, self.rank_buckets) if top else 0
         few = bool(rank and self.few_adapters) and busy_segments(adapter_ids, size) <= self.few_adapters
-        stack_most = launch_shapes().graph_few_stacked
-        if rank and stack_most and self.stacks is not None:  # no scan of the step's adapters while it is off
+        shapes = launch_shapes()
+        if rank and shapes.graph_few_stacked and self.stacks is not None:  # no scan of the adapters while off
             residents = step_residents(seqs)
-            columns = stacked_plan(residents, stack_most)
-            if columns:
-                few = columns  # the graph key's LoRA plan: the stacked graph over that many columns
-                self.stacks.fill(columns, residents)
+            plan = stacked_plan(residents, shapes.graph_few_stacked, shapes.graph_stacked_held)
+            if plan is not None:
+                few = plan  # the graph key's LoRA plan: the stacked graph
+                self.stacks.fill(plan.columns, residents, self.pool, plan.held)
         groups = lora_groups(ranks) if rank else NO_GROUPS
         ctx = self._context_bucket(max(s.num_computed + 1 for s in seqs))
         graph = self._graph(size, rank, ctx, few, groups)

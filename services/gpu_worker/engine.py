@@ -25,7 +25,8 @@ from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
 from .cuda_graphs import DecodeGraphs, groups_of_modules
 from .graph_stacks import GraphStacks
-from .kernels.launch_shapes import set_launch_shapes
+from .held_stacks import HeldStacks, held_bytes
+from .kernels.launch_shapes import launch_shapes, set_launch_shapes
 from .lookahead import PENDING_TOKEN, ending_by_length, lookahead_rows, unfinished_prompts
 from .merge_mode import MergeMode
 from .model import DOWN, GATE_UP, O, QKV, LlamaModel
@@ -65,6 +66,8 @@ class Engine:
         # Process-wide as well; every engine sets it, so one built after another starts from its own.
         set_launch_shapes(LaunchShapes.parse(config.kernel_shapes))
         self.model = LlamaModel(cfg, weights, self.ops, self.max_model_len)
+        # Taken before the pool is sized from the memory left, which they would otherwise run out of.
+        self.held_stacks = self._held_stacks()
         num_slots = config.num_slots or self._slots_from_memory()
         self.pool = UnifiedPool(cfg.num_layers, num_slots, cfg.kv_dim, self.dtype, self.device,
                                 adapter_slots=config.adapter_pool_slots)
@@ -121,12 +124,22 @@ class Engine:
         zero_slot = self.pool.allocator.allocate(1)[0]
         self.pool.kv[:, :, zero_slot] = 0
         stacks = GraphStacks(self.cfg, (QKV, O, GATE_UP, DOWN), self.pool.slot_width, zero_slot,
-                             self.adapters.tables.ranks.shape[0], self.device)
+                             self.adapters.tables.ranks.shape[0], self.device, held=self.held_stacks)
         return DecodeGraphs(self.model, self.pool, self.adapters.tables, self.page_table, max_batch,
                             self.config.max_lora_rank, scratch_slot, scratch_row,
                             few_adapters=self.config.cuda_graph_few_adapters,
                             segment_programs=self.config.cuda_graph_segment_programs,
                             warm_groups=groups_of_modules(self.config.graph_lora_targets()), stacks=stacks)
+
+    def _held_stacks(self) -> HeldStacks | None:
+        """The held stacks' buffers (kernel_shapes graph_stacked_held), where decode graphs will read them."""
+        columns = launch_shapes().graph_stacked_held
+        if not (columns and self.device.type == "cuda" and self.config.cuda_graphs):
+            return None
+        groups = (QKV, O, GATE_UP, DOWN)
+        log.info("engine.held_stacks", columns=columns,
+                 gb=round(held_bytes(self.cfg, groups, self.cfg.kv_dim, columns, self.dtype) / 1e9, 2))
+        return HeldStacks(self.cfg, groups, self.cfg.kv_dim, columns, self.dtype, self.device)
 
     def _slots_from_memory(self) -> int:
         if self.device.type != "cuda":

@@ -4,7 +4,11 @@ and each resident id's place among those adapters.
 
 A graph replays with whatever its buffers hold, so the host refills them before a replay whose adapters differ
 from the ones they hold; a steady few-adapter workload fills them once. The indices are the same for every
-layer (an adapter's slots are one list for all layers' buffers), so one fill serves the whole step.
+layer (an adapter's slots are one list for all layers' buffers), so one fill serves the whole step. A held
+stack (held_stacks.py) also gathers the rows themselves at a fill, and its graphs read them in place.
+
+Adapters are told apart by their Resident, not their name: one unloaded and loaded again (new slots, or new
+weights under the same name) is a new Resident, and the buffers are filled anew.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import torch
 from shared.model_config import MODULES, ModelConfig
 
 from .ops.meta import LoraTables
-from .ops.stacked_lora import StackedRows, stack_mask, stack_rows
+from .held_stacks import HeldStacks
+from .ops.stacked_lora import StackedRows, gather_stack, stack_mask, stack_rows
 from .resident_adapters import Resident
 
 STACK_MIN_COLUMNS = 64
@@ -51,17 +56,21 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src.to(dst.dtype), non_blocking=True)
 
 
+def _same(a: tuple, b: tuple | None) -> bool:
+    return b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 class GraphStacks:
     def __init__(self, cfg: ModelConfig, groups: tuple[tuple[int, ...], ...], slot_width: int, zero_slot: int,
-                 max_resident: int, device: torch.device):
+                 max_resident: int, device: torch.device, held: HeldStacks | None = None):
         """`zero_slot`: a pool slot whose rows are zeros in every layer, read by the columns past the adapters'
-        rows."""
-        self.width, self.zero_slot, self.device = slot_width, zero_slot, device
+        rows. `held`: buffers for held stacks (kernel_shapes graph_stacked_held), None without them."""
+        self.width, self.zero_slot, self.device, self.held_stacks = slot_width, zero_slot, device, held
         self.dims = {modules: cfg.group_dims(modules) for modules in groups}
         # Resident id -> place in the stack; the last entry answers -1 (base-model and padding rows).
         self.lookup = torch.full((max_resident + 1,), -1, dtype=torch.int32, device=device)
         self.buffers: dict[int, dict[tuple[int, ...], StackedRows]] = {}
-        self.held: dict[int, tuple] = {}  # columns -> the adapters its buffers hold
+        self.filled: dict[int, tuple] = {}  # columns -> the adapters its index buffers point at
         self.looked_up: tuple | None = None
         self.fills = 0
 
@@ -83,11 +92,19 @@ class GraphStacks:
         owner = next(iter(self.rows(columns).values())).owner
         return stack_mask(self.positions(token_adapter), owner, dtype)
 
-    def fill(self, columns: int, residents: list[Resident]) -> None:
+    def held_columns(self) -> int:
+        """The widest held stack the buffers take (0: no buffers)."""
+        return self.held_stacks.columns if self.held_stacks is not None else 0
+
+    def fill(self, columns: int, residents: list[Resident], pool=None, held: bool = False) -> None:
         """Point the `columns` buffers and the lookup at `residents` (the step's distinct adapters), unless they
-        already are."""
-        key = tuple((r.name, r.resident_id, r.slots[0] if r.slots else -1) for r in residents)
-        if self.held.get(columns) != key:
+        already are; `held`: gather their rows from `pool` into the held buffers too, unless those hold them."""
+        key = tuple(residents)  # compared by identity (_same), and kept alive, so no id is reused meanwhile
+        if held and columns > self.held_columns():
+            raise ValueError(f"a held stack of {columns} columns needs graph_stacked_held={columns} or more in "
+                             f"the engine's kernel_shapes, whose buffers are taken at start "
+                             f"(these hold {self.held_columns()})")
+        if not _same(key, self.filled.get(columns)):
             tables = host_tables(residents)
             # Every group laid out alike (each adapter its widest rank over all modules): one mask a step.
             widths = [max(r.ranks) for r in residents]
@@ -98,11 +115,24 @@ class GraphStacks:
                 _copy(dst.a_rows, built.a_rows)
                 _copy(dst.b_rows, built.b_rows)
                 _copy(dst.owner, built.owner)
-            self.held[columns] = key
+            self.filled[columns] = key
             self.fills += 1
-        if self.looked_up != key:
+        if held and not (self.held_stacks.holds is not None and self.held_stacks.holds[0] == columns
+                         and _same(key, self.held_stacks.holds[1])):
+            self.held_stacks.gather(pool, self.rows(columns))
+            self.held_stacks.holds = (columns, key)
+        if not _same(key, self.looked_up):
             lookup = torch.full(self.lookup.shape, -1, dtype=torch.int32)
             for place, r in enumerate(residents):
                 lookup[r.resident_id] = place
             _copy(self.lookup, lookup)
             self.looked_up = key
+
+    def operands(self, pool, layer: int, modules: tuple[int, ...], columns: int, held: bool
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One layer's stacked A and Bᵀ of a group (ops.stacked_lora.gather_stack's): read in place from the held
+        buffers, or gathered from the pool now."""
+        rows = self.rows(columns)[modules]
+        if held:
+            return self.held_stacks.views(layer, modules, rows)
+        return gather_stack(pool.k(layer), pool.v(layer), rows)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from shared.model_config import ModelConfig
 
 from .ops.meta import AttnMeta, LoraBatch
-from .ops.stacked_lora import stacked_lora
+from .ops.stacked_lora import stacked_products
 from .pool import UnifiedPool
 from .rope import Rotary
 from .weights import ModelWeights
@@ -52,8 +52,8 @@ class LlamaModel:
         if max_rank == 0:
             return
         if lora.stack_columns:
-            stacked_lora(x, pool.k(layer), pool.v(layer), lora.kernel_args["stack_keep"],
-                         lora.stacks.rows(lora.stack_columns)[modules], out)
+            a, bts = lora.stacks.operands(pool, layer, modules, lora.stack_columns, lora.stack_held)
+            stacked_products(x, a, bts, lora.kernel_args["stack_keep"], out)
             return
         hints = lora.kernel_args
         y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, lora.tables, modules, max_rank, **hints)

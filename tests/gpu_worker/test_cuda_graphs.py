@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.gpu_worker.cuda_graphs import StackPlan
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
@@ -110,13 +111,18 @@ def test_few_adapter_graphs_with_their_lora_tiles_dealt_match_eager(tmp_path):
     assert_eager_agrees(base, adapters, tokens, logits)
 
 
-def test_stacked_few_adapter_graphs_match_eager(tmp_path):
+@pytest.mark.parametrize("held", [False, True])
+def test_stacked_few_adapter_graphs_match_eager(tmp_path, held):
     # kernel_shapes graph_few_stacked=4: every LoRA decode step (at most the two adapters) replays a graph whose
-    # LoRA is dense products over their rows side by side, 4 + 32 of 64 columns; the tokens stay the eager
-    # path's, the logits within its rounding.
+    # LoRA is dense products over their rows side by side, 4 + 32 of 64 columns, gathered every step or (held)
+    # from the held buffers, gathered again as the mix changes; the tokens stay the eager path's, the logits
+    # within its rounding.
     base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
     adapters = adapters_of(base, tmp_path)
-    graph_engine, tokens, logits = run(base, adapters, graphs=True, few_adapters=4, kernel_shapes="graph_few_stacked=4")
-    assert {key[3] for key in graph_engine.graphs.graphs if key[1]} == {64}
-    assert graph_engine.graphs.stacks.fills >= 2  # the mix changes as requests end
+    shapes = "graph_few_stacked=4" + (",graph_stacked_held=64" if held else "")
+    graph_engine, tokens, logits = run(base, adapters, graphs=True, few_adapters=4, kernel_shapes=shapes)
+    assert {key[3] for key in graph_engine.graphs.graphs if key[1]} == {StackPlan(64, held)}
+    stacks = graph_engine.graphs.stacks
+    assert stacks.fills >= 2  # the mix changes as requests end
+    assert (stacks.held_stacks.gathers >= 2) if held else stacks.held_stacks is None
     assert_eager_agrees(base, adapters, tokens, logits)

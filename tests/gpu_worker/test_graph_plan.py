@@ -2,9 +2,9 @@
 needs a GPU: tests/gpu_worker/test_cuda_graphs.py)."""
 import pytest
 
-from services.gpu_worker.cuda_graphs import (ALL_GROUPS, NO_GROUPS, busy_segments, capture_plan, group_ranks,
-                                             groups_of_modules, lora_groups, lora_plans, stacked_plan, step_ranks,
-                                             step_residents)
+from services.gpu_worker.cuda_graphs import (ALL_GROUPS, NO_GROUPS, StackPlan, busy_segments, capture_plan,
+                                             group_ranks, groups_of_modules, lora_groups, lora_plans, stacked_plan,
+                                             step_ranks, step_residents)
 from services.gpu_worker.resident_adapters import Resident
 from shared.config import EngineConfig
 
@@ -95,10 +95,16 @@ class _Seq:
 def test_a_step_of_few_adapters_replays_the_stacked_graph_of_their_widest_ranks_summed():
     a, b, c = (Resident(n, i, [], ranks) for i, (n, ranks) in enumerate(
         [("a", (8, 8, 8, 8, 0, 0, 0)), ("b", (0, 64, 0, 0, 16, 16, 16)), ("c", (4,) * 7)]))
-    # Requests name adapters in any order and more than once; base-model requests name none.
+    # Requests name adapters in any order and more than once; base-model requests name none. The stack takes
+    # them by resident id, so another order of the same requests keeps its layout.
     residents = step_residents([_Seq(b), _Seq(None), _Seq(a), _Seq(b), _Seq(c)])
-    assert [r.name for r in residents] == ["b", "a", "c"]
-    assert stacked_plan(residents, 4) == 128  # 64 + 8 + 4 columns, in a power of two from 64
-    assert stacked_plan(residents[1:], 4) == 64
+    assert [r.name for r in residents] == ["a", "b", "c"]
+    assert step_residents([_Seq(c), _Seq(a), _Seq(b)]) == residents
+    assert stacked_plan(residents, 4) == StackPlan(128, False)  # 64 + 8 + 4 columns, in a power of two from 64
+    assert stacked_plan(residents[::2], 4) == StackPlan(64, False)
+    # Held: as wide as the held buffers allow, and a wider stack takes the segment launches.
+    assert stacked_plan(residents, 4, held=128) == StackPlan(128, True)
+    assert stacked_plan(residents, 4, held=64) is None
+    assert stacked_plan(residents[::2], 4, held=64) == StackPlan(64, True)
     # Off, more adapters than the word allows, or a base-model step: the segment launches.
-    assert stacked_plan(residents, 0) == stacked_plan(residents, 2) == stacked_plan([], 4) == 0
+    assert stacked_plan(residents, 0) is stacked_plan(residents, 2) is stacked_plan([], 4) is None

@@ -7,6 +7,7 @@ import torch
 
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.graph_stacks import GraphStacks, stacked_columns
+from services.gpu_worker.held_stacks import HeldStacks, held_bytes
 from services.gpu_worker.model import DOWN, GATE_UP, O, QKV
 from services.gpu_worker.ops.meta import LoraBatch
 from shared.config import EngineConfig
@@ -41,7 +42,10 @@ def engine_with_residents():
         residents[name] = engine.adapters.acquire(name)
     zero = engine.pool.allocator.allocate(1)[0]
     engine.pool.kv[:, :, zero] = 0
-    stacks = GraphStacks(cfg, GROUPS, engine.pool.slot_width, zero, engine.adapters.tables.ranks.shape[0], "cpu")
+    # Held buffers of 64 columns (graph_stacked_held=64), float32 as the pool.
+    held = HeldStacks(cfg, GROUPS, engine.pool.slot_width, 64, engine.pool.dtype, "cpu")
+    stacks = GraphStacks(cfg, GROUPS, engine.pool.slot_width, zero, engine.adapters.tables.ranks.shape[0], "cpu",
+                         held=held)
     return engine, residents, stacks
 
 
@@ -54,7 +58,7 @@ def test_the_models_lora_through_the_stacks_equals_the_segment_ops(engine_with_r
     model, cfg = engine.model, engine.cfg
     step = [residents["mlp"], residents["attn"]]  # "all" is resident but not in this step
     columns = stacked_columns([max(r.ranks) for r in step])
-    stacks.fill(columns, step)
+    stacks.fill(columns, step, engine.pool, held=True)
     ids = [residents["attn"].resident_id, -1, residents["mlp"].resident_id, residents["attn"].resident_id, -1,
            residents["mlp"].resident_id]
     token_adapter = torch.tensor(ids, dtype=torch.int32)
@@ -66,14 +70,16 @@ def test_the_models_lora_through_the_stacks_equals_the_segment_ops(engine_with_r
             x = torch.randn(len(ids), fan_in, generator=gen)
             base = torch.randn(len(ids), sum(dims), generator=gen)
             outs = []
-            for stacked in (False, True):
+            for stacked, held in ((False, False), (True, False), (True, True)):
                 lora = LoraBatch(tables=engine.adapters.tables, token_adapter=token_adapter, max_rank=(32,) * 7)
                 if stacked:
-                    lora.stacks, lora.stack_columns = stacks, columns
+                    lora.stacks, lora.stack_columns, lora.stack_held = stacks, columns, held
                 model.prepare_lora(lora)  # as forward does, once a step
                 out = base.clone()
                 model._lora(x, out, lora, engine.pool, layer, modules, dims)
                 outs.append(out)
+            # Gathered now or held since the fill, the same rows: the same sums, bit for bit.
+            assert torch.equal(outs[2], outs[1])
             torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
             assert (outs[1] - base)[token_adapter < 0].abs().max() == 0
 
@@ -97,3 +103,71 @@ def test_a_fill_is_skipped_while_the_step_keeps_its_adapters(engine_with_residen
     # for "all"; the rest of the 64 none.
     for modules in GROUPS:
         assert stacks.rows(64)[modules].owner.tolist() == [0] * 4 + [1] * 8 + [-1] * 52
+
+
+def held_operands(stacks: GraphStacks, pool, columns: int) -> list[torch.Tensor]:
+    """Every layer's and group's operands as the held buffers give them, copied."""
+    out = []
+    for layer in range(pool.kv.shape[0]):
+        for modules in GROUPS:
+            a, bts = stacks.operands(pool, layer, modules, columns, held=True)
+            out += [a.clone()] + [bt.clone() for bt in bts]
+    return out
+
+
+def test_held_stacks_are_gathered_when_the_adapters_change_and_not_while_they_stay(engine_with_residents):
+    engine, residents, stacks = engine_with_residents
+    held, pool = stacks.held_stacks, engine.pool
+    first = [residents["attn"], residents["all"]]
+    stacks.fill(64, first, pool, held=True)
+    stacks.fill(64, first, pool, held=True)
+    assert held.gathers == 1
+    before = held_operands(stacks, pool, 64)
+    # The same adapters at the same columns, gathered every step, read what the buffers hold.
+    for layer in range(pool.kv.shape[0]):
+        for modules in GROUPS:
+            a, bts = stacks.operands(pool, layer, modules, 64, held=False)
+            h_a, h_bts = stacks.operands(pool, layer, modules, 64, held=True)
+            assert torch.equal(a, h_a) and all(torch.equal(x, y) for x, y in zip(bts, h_bts))
+    # Another mix gathers anew; the segment ops' fill (held=False) leaves the held buffers alone.
+    stacks.fill(64, [residents["mlp"]], pool, held=False)
+    assert held.gathers == 1
+    stacks.fill(64, [residents["mlp"]], pool, held=True)
+    assert held.gathers == 2 and held.holds[0] == 64
+    stacks.fill(64, first, pool, held=True)
+    assert held.gathers == 3
+    assert all(torch.equal(x, y) for x, y in zip(held_operands(stacks, pool, 64), before))
+    # A stack wider than the held buffers is refused, naming the word that would take it.
+    with pytest.raises(ValueError, match="graph_stacked_held=128"):
+        stacks.fill(128, first, pool, held=True)
+    assert held.gathers == 3
+
+
+def test_an_adapter_loaded_again_is_gathered_again(engine_with_residents):
+    # Unloaded and registered again under its name with other weights, an adapter comes back under the same
+    # resident id; it is a new Resident, and the held buffers must not go on serving the old rows.
+    engine, residents, stacks = engine_with_residents
+    held, pool = stacks.held_stacks, engine.pool
+    old = residents["attn"]
+    stacks.fill(64, [old], pool, held=True)
+    before, _ = stacks.operands(pool, 0, QKV, 64, held=True)
+    before = before.clone()
+    engine.adapters.release("attn")
+    assert engine.adapters.evict("attn")
+    engine.register_adapter("attn", adapter("attn", engine.cfg, {"q_proj": 4, "v_proj": 4, "o_proj": 4}, 9))
+    again = engine.adapters.acquire("attn")
+    assert again is not old and again.resident_id == old.resident_id
+    stacks.fill(64, [again], pool, held=True)
+    assert held.gathers == 2
+    a, _ = stacks.operands(pool, 0, QKV, 64, held=True)
+    fresh, _ = stacks.operands(pool, 0, QKV, 64, held=False)
+    assert torch.equal(a, fresh) and not torch.equal(a, before)
+
+
+def test_the_held_buffers_take_what_held_bytes_says():
+    cfg = ModelConfig.from_hf(hf_config("tiny", VOCAB_SIZE))
+    held = HeldStacks(cfg, GROUPS, cfg.kv_dim, 128, torch.float16, "cpu")
+    taken = sum(t.numel() * t.element_size() for t in (*held.a.values(), *held.b.values()))
+    assert taken == held_bytes(cfg, GROUPS, cfg.kv_dim, 128, torch.float16) > 0
+    # Twice the columns, twice the bytes: every row is a column's.
+    assert held_bytes(cfg, GROUPS, cfg.kv_dim, 256, torch.float16) == 2 * taken

@@ -101,20 +101,30 @@ def stack_mask(token_pos: torch.Tensor, owner: torch.Tensor, dtype: torch.dtype)
     return (token_pos.long()[:, None] == owner[None, :]).to(dtype)
 
 
-def gather_stack(k_buf: torch.Tensor, v_buf: torch.Tensor, rows: StackedRows
-                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One layer's dense operands: A `[G * columns, fan_in]` and each module's Bᵀ `[columns, out_dim]` (views
-    into two gathers, one from each buffer)."""
-    width = k_buf.shape[1]
-    groups = len(rows.out_dims)
-    a = k_buf.index_select(0, rows.a_rows).view(groups * rows.columns, -1)[:, :rows.fan_in]
-    b = v_buf.index_select(0, rows.b_rows)  # every module's Bᵀ rows in one gather
+def stack_views(a_flat: torch.Tensor, b_flat: torch.Tensor, rows: StackedRows
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A `[G * columns, fan_in]` and each module's Bᵀ `[columns, out_dim]` as views of the gathered rows: a_flat
+    `[len(rows.a_rows), width]`, b_flat `[len(rows.b_rows), width]`."""
+    width = a_flat.shape[1]
+    a = a_flat.view(len(rows.out_dims) * rows.columns, -1)[:, :rows.fan_in]
     bts, row = [], 0
     for d in rows.out_dims:
         n = rows.columns * chunks(d, width)
-        bts.append(b[row: row + n].view(rows.columns, -1)[:, :d])
+        bts.append(b_flat[row: row + n].view(rows.columns, -1)[:, :d])
         row += n
     return a, bts
+
+
+def gather_stack(k_buf: torch.Tensor, v_buf: torch.Tensor, rows: StackedRows, a_out: torch.Tensor | None = None,
+                 b_out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One layer's dense operands (stack_views), gathered from the pool's K and V buffers in one gather each,
+    into `a_out` and `b_out` when given (rows as long as the index lists, the pool's width)."""
+    if a_out is None or b_out is None:
+        return stack_views(k_buf.index_select(0, rows.a_rows), v_buf.index_select(0, rows.b_rows), rows)
+    torch.index_select(k_buf, 0, rows.a_rows, out=a_out)
+    torch.index_select(v_buf, 0, rows.b_rows, out=b_out)
+    return stack_views(a_out, b_out, rows)
+    return stack_views(a, b, rows)
 
 
 def stacked_products(x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], keep: torch.Tensor,
