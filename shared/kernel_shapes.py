@@ -38,18 +38,18 @@ Words, comma-separated:
                         adapters; the dealt shrink holds 176 registers a thread against 128 on either path), and
                         served S-GQA n = 5 gained nothing dealt (docs/benchmarks.md, 2026-12-06 03:18)
   graph_few_stacked=N   decode graphs of steps carrying at most N distinct adapters run their LoRA as dense
-                        products (ops.stacked_lora: the adapters' rows gathered side by side from the pool, one
-                        shrink GEMM over all of them, one expand GEMM a module) instead of the segment kernels;
-                        N any count; the columns are the adapters' widest ranks summed, bucketed to a power of two
-                        from 64 (default off until timed: benchmarks/plans/few_stacked.yaml). On an H100 it
-                        took 4.5% off S-GQA's decode step at batch 512 over 5 adapters, added 7% at 256 over 8
-                        and 1% to S2's at 256 over 5; the per-step gather of the rows took about a third of
-                        the products' time (docs/benchmarks.md, 2026-12-06 05:50)
-  graph_stacked_held=C  those graphs read the step's adapters' rows from buffers of their own, gathered from the
-                        pool when the step's adapters change instead of every step; C (a power of two, 64 or
-                        more) columns at most, and a step over more columns takes the segment kernels. The
-                        buffers (C columns of every layer's A and Bᵀ rows: 1.1 GB for Llama-3-8B at 256) are
-                        taken when the engine starts, before its pool is sized from the memory left
+                        products (ops.stacked_lora: the adapters' rows side by side, one shrink GEMM over all of
+                        them, one expand GEMM a module) instead of the segment kernels; N any count; the columns
+                        are the adapters' widest ranks summed, bucketed to a power of two from 64 (default 8)
+  graph_stacked_held=C  those graphs read the rows from buffers of their own, gathered from the pool when the
+                        step's adapters change instead of every step; C (a power of two, 64 or more) columns at
+                        most, and a step over more columns takes the segment kernels (default 256). The buffers
+                        (C columns of every layer's A and Bᵀ rows: 1.34 GB for Llama-3-8B at 256) are taken when
+                        the engine starts, before its pool is sized from the memory left. On an H100, held, the
+                        decode step took 9.6% less at S-GQA's batch 512 over 5 adapters, 2.8% less at 256 over 8,
+                        1.5% less at S2's 256 over 5, and served S-GQA n = 5 went from 43.91 to 45.94 req/s;
+                        gathered every step they gained 5% at 512 over 5 but lost 6.5% at 256 over 8
+                        (docs/benchmarks.md, 2026-12-06 06:12)
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
@@ -94,8 +94,8 @@ class LaunchShapes:
     graph_few_expand_deal: bool = False
     graph_few_shrink_deal: bool = False
     graph_few_deal_max: int = 8  # 0 (no_graph_few_deal_max): up to the graph's bound on busy segments
-    graph_few_stacked: int = 0  # 0: the segment kernels at every step
-    graph_stacked_held: int = 0  # 0: a stacked graph gathers its rows from the pool every step
+    graph_few_stacked: int = 8  # 0 (no_graph_few_stacked): the segment kernels at every step
+    graph_stacked_held: int = 256  # 0 (no_graph_stacked_held): a stacked graph gathers its rows every step
     expand_rank_whole: bool = False
     expand_registers: int = 56  # 0 (no_expand_registers): the compiler's choice
 

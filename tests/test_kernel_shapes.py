@@ -146,8 +146,13 @@ def test_the_launchers_choose_the_shapes_set_and_their_own_again_after():
     assert chosen() == own
 
 
-def test_the_stacked_plan_takes_any_count_of_adapters_and_is_off_by_default():
-    assert LaunchShapes().graph_few_stacked == 0
+def test_the_stacked_plan_takes_any_count_of_adapters_and_is_on_by_default_held():
+    assert (LaunchShapes().graph_few_stacked, LaunchShapes().graph_stacked_held) == (8, 256)
+    assert LaunchShapes.parse("no_graph_few_stacked").graph_few_stacked == 0
+    assert LaunchShapes.parse("no_graph_stacked_held").graph_stacked_held == 0
+    for bad in ("graph_stacked_held=32", "graph_stacked_held=200"):
+        with pytest.raises(ValueError, match="graph_stacked_held"):
+            LaunchShapes.parse(bad)
     assert LaunchShapes.parse("graph_few_stacked=5").graph_few_stacked == 5  # not only powers of two
     for bad in ("graph_few_stacked", "graph_few_stacked=0", "graph_few_stacked=x"):
         with pytest.raises(ValueError, match="graph_few_stacked needs a count of adapters"):
