@@ -38,10 +38,12 @@ class HeldStacks:
         self.columns, self.num_layers = columns, cfg.num_layers
         self.a: dict[tuple[int, ...], torch.Tensor] = {}
         self.b: dict[tuple[int, ...], torch.Tensor] = {}
+        # Zeros, not whatever memory held: a graph captured at warm-up runs over them before any gather, and
+        # its masked-out columns would turn a NaN found there into NaN outputs (NaN × 0).
         for modules in groups:
             a_rows, b_rows = group_rows(cfg, modules, slot_width, columns)
-            self.a[modules] = torch.empty(cfg.num_layers, a_rows, slot_width, dtype=dtype, device=device)
-            self.b[modules] = torch.empty(cfg.num_layers, b_rows, slot_width, dtype=dtype, device=device)
+            self.a[modules] = torch.zeros(cfg.num_layers, a_rows, slot_width, dtype=dtype, device=device)
+            self.b[modules] = torch.zeros(cfg.num_layers, b_rows, slot_width, dtype=dtype, device=device)
         self.holds: tuple | None = None  # what the buffers hold: (columns, the adapters), set by the caller
         self.gathers = 0
 
