@@ -38,8 +38,8 @@ class HeldStacks:
         self.columns, self.num_layers = columns, cfg.num_layers
         self.a: dict[tuple[int, ...], torch.Tensor] = {}
         self.b: dict[tuple[int, ...], torch.Tensor] = {}
-        # Zeros, not whatever memory held: a graph captured at warm-up runs over them before any gather, and
-        # its masked-out columns would turn a NaN found there into NaN outputs (NaN × 0).
+        # Zeros, not whatever the memory held: a graph is only replayed over them after a gather, but a NaN
+        # read into a masked-out column would not stay masked (NaN × 0), so none may be there.
         for modules in groups:
             a_rows, b_rows = group_rows(cfg, modules, slot_width, columns)
             self.a[modules] = torch.zeros(cfg.num_layers, a_rows, slot_width, dtype=dtype, device=device)
