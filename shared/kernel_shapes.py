@@ -45,7 +45,8 @@ Words, comma-separated:
                         step's adapters change instead of every step; C (a power of two, 64 or more) columns at
                         most, and a step over more columns takes the segment kernels (default 256). The buffers
                         (C columns of every layer's A and Bᵀ rows: 1.34 GB for Llama-3-8B at 256) are taken when
-                        the engine starts, before its pool is sized from the memory left. On an H100, held, the
+                        the engine starts with graph_few_stacked on, before its pool is sized from the memory
+                        left. On an H100, held, the
                         decode step took 9.6% less at S-GQA's batch 512 over 5 adapters, 2.8% less at 256 over 8,
                         1.5% less at S2's 256 over 5, and served S-GQA n = 5 went from 43.91 to 45.94 req/s;
                         gathered every step they gained 5% at 512 over 5 but lost 6.5% at 256 over 8

@@ -133,8 +133,9 @@ class Engine:
 
     def _held_stacks(self) -> HeldStacks | None:
         """The held stacks' buffers (kernel_shapes graph_stacked_held), where decode graphs will read them."""
-        columns = launch_shapes().graph_stacked_held
-        if not (columns and self.device.type == "cuda" and self.config.cuda_graphs):
+        shapes = launch_shapes()
+        columns = shapes.graph_stacked_held
+        if not (columns and shapes.graph_few_stacked and self.device.type == "cuda" and self.config.cuda_graphs):
             return None
         groups = (QKV, O, GATE_UP, DOWN)
         log.info("engine.held_stacks", columns=columns,
