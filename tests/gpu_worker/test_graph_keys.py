@@ -9,7 +9,10 @@ import contextlib
 import pytest
 import torch
 
+from services.gpu_worker.cuda_graphs import StackPlan
 from services.gpu_worker.engine import Engine
+from services.gpu_worker.held_stacks import HeldStacks
+from services.gpu_worker.model import DOWN, GATE_UP, O, QKV
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
 from shared.adapter_format import load_adapter
@@ -54,8 +57,8 @@ def cuda_graph_api(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _Event)
 
 
-@pytest.mark.parametrize("few_adapters", [0, 2, 4])
-def test_each_step_replays_the_graph_of_its_adapters_groups_and_plan(tmp_path, cuda_graph_api, few_adapters):
+@pytest.mark.parametrize("few_adapters,stacked", [(0, False), (2, False), (4, False), (4, True)])
+def test_each_step_replays_the_graph_of_its_adapters_groups_and_plan(tmp_path, cuda_graph_api, few_adapters, stacked):
     base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
     cfg = ModelConfig.from_dir(base)
     adapters = {  # q,v,o: the q,k,v and o groups; k, gate, down: q,k,v, gate,up and down
@@ -67,7 +70,10 @@ def test_each_step_replays_the_graph_of_its_adapters_groups_and_plan(tmp_path, c
     engine = Engine.from_model_dir(base, EngineConfig(device="cpu", num_slots=2048, max_lora_rank=32,
                                                       max_resident_adapters=4, cuda_graph_max_batch=8,
                                                       cuda_graph_few_adapters=few_adapters,
-                                                      cuda_graph_segment_programs=2))
+                                                      cuda_graph_segment_programs=2,
+                                                      kernel_shapes="" if stacked else "no_graph_few_stacked"))
+    if stacked:  # the defaults' held buffers, as a CUDA engine takes them before its pool
+        engine.held_stacks = HeldStacks(cfg, (QKV, O, GATE_UP, DOWN), cfg.kv_dim, 256, engine.dtype, "cpu")
     engine.graphs = engine._decode_graphs()  # as a CUDA engine builds them
     for name, w in adapters.items():
         engine.register_adapter(name, w)
@@ -87,9 +93,14 @@ def test_each_step_replays_the_graph_of_its_adapters_groups_and_plan(tmp_path, c
     # Rank buckets follow the batch's largest rank: 16 for the rank-4 adapter alone, 32 with the rank-32 one.
     assert {(k[1], k[4]) for k in keys if k[1]} == {(16, attn_only), (32, every_group)}
     # The few-adapter plan: never without it; with 2, only batches of at most 2 busy segments (a bucket of
-    # <= 2 requests, or the attention adapter with the base model); with 4, every LoRA step.
+    # <= 2 requests, or the attention adapter with the base model); with 4, every LoRA step. With the stacked
+    # products on (the defaults), every LoRA step (at most the two adapters: 4 + 32 of 64 columns) replays
+    # a stacked graph over the held rows instead.
     plans = {k[3] for k in keys if k[1]}
-    assert plans == {0: {False}, 2: {True, False}, 4: {True}}[few_adapters]
+    if stacked:
+        assert plans == {StackPlan(64, True)} and engine.graphs.stacks.held_stacks.gathers >= 2
+    else:
+        assert plans == {0: {False}, 2: {True, False}, 4: {True}}[few_adapters]
     if few_adapters == 2:
         assert all(few == (size <= 2 or groups == attn_only) for size, rank, _, few, groups in keys if rank)
     # Base-only steps replay graphs without LoRA.
