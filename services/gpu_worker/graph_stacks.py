@@ -119,7 +119,11 @@ class GraphStacks:
             self.fills += 1
         if held and not (self.held_stacks.holds is not None and self.held_stacks.holds[0] == columns
                          and _same(key, self.held_stacks.holds[1])):
-            self.held_stacks.gather(pool, self.rows(columns))
+            # Only the groups these adapters adapt: a graph runs no other (its key's LoRA groups follow the
+            # step's ranks), and S1/S2's q,k,v,o adapters would otherwise copy the MLP's zero rows, most of it.
+            used = {modules: rows for modules, rows in self.rows(columns).items()
+                    if any(r.ranks[m] for r in residents for m in modules)}
+            self.held_stacks.gather(pool, used)
             self.held_stacks.holds = (columns, key)
         if not _same(key, self.looked_up):
             lookup = torch.full(self.lookup.shape, -1, dtype=torch.int32)
