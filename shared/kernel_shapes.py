@@ -46,11 +46,10 @@ Words, comma-separated:
                         most, and a step over more columns takes the segment kernels (default 256). The buffers
                         (C columns of every layer's A and Bᵀ rows: 1.34 GB for Llama-3-8B at 256) are taken when
                         the engine starts with graph_few_stacked on, before its pool is sized from the memory
-                        left. On an H100, held, the
-                        decode step took 9.6% less at S-GQA's batch 512 over 5 adapters, 2.8% less at 256 over 8,
-                        1.5% less at S2's 256 over 5, and served S-GQA n = 5 went from 43.91 to 45.94 req/s;
-                        gathered every step they gained 5% at 512 over 5 but lost 6.5% at 256 over 8
-                        (docs/benchmarks.md, 2026-12-06 06:12)
+                        left. On an H100, held, the decode step took 9.6% less at S-GQA's batch 512 over 5
+                        adapters, 2.8% less at 256 over 8, 1.5% less at S2's 256 over 5, and served S-GQA n = 5
+                        went from 43.91 to 45.94 req/s; gathered every step they gained 5% at 512 over 5 but lost
+                        6.5% at 256 over 8 (docs/benchmarks.md, 2026-12-06 06:12)
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,

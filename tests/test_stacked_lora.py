@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, llama_config
 from services.gpu_worker.ops import reference
 from services.gpu_worker.ops.stacked_lora import stack_mask, stack_rows, stacked_lora, stacked_positions
 
@@ -28,7 +28,7 @@ def reference_delta(pool, x, token_adapter, modules, out_dims):
 def test_stacked_products_equal_the_reference_over_mixed_ranks_and_base_only_tokens(group):
     cfg, pool, zero = pool_with_zero_slot([8, 16, 4, 32, 8])
     modules = GROUPS[group]
-    fan_in, out_dims = group_dims(cfg, modules)
+    fan_in, out_dims = cfg.group_dims(modules)
     gen = torch.Generator().manual_seed(1)
     # Tokens of three of the five adapters, in no order, and base-only tokens among them.
     token_adapter = torch.tensor([3, -1, 1, 3, 4, 1, -1, 3, 4, 4, 1, 3], dtype=torch.int32)
@@ -49,7 +49,7 @@ def test_padded_columns_and_an_unadapted_module_add_nothing_of_their_own():
     cfg, pool, zero = pool_with_zero_slot([8, 16, 4])
     modules = GROUPS["qkv"]
     pool.tables.ranks[1, modules[1]] = 0  # adapter 1 leaves k unadapted
-    fan_in, out_dims = group_dims(cfg, modules)
+    fan_in, out_dims = cfg.group_dims(modules)
     token_adapter = torch.tensor([1, 0, 2, 1, 0], dtype=torch.int32)
     x = torch.randn(5, fan_in, generator=torch.Generator().manual_seed(2))
     rows = stack_rows(pool.tables, [0, 1, 2], modules, fan_in, out_dims, pool.width, zero, columns=64)
@@ -64,7 +64,7 @@ def test_padded_columns_and_an_unadapted_module_add_nothing_of_their_own():
 
 def test_too_few_columns_and_mismatched_dims_are_refused():
     cfg, pool, zero = pool_with_zero_slot([8, 16])
-    fan_in, out_dims = group_dims(cfg, GROUPS["o"])
+    fan_in, out_dims = cfg.group_dims(GROUPS["o"])
     with pytest.raises(ValueError, match="columns=16 cannot hold these adapters' rows side by side \\(24 needed\\)"):
         stack_rows(pool.tables, [0, 1], GROUPS["o"], fan_in, out_dims, pool.width, zero, columns=16)
     with pytest.raises(ValueError, match="adapter 1 has rank 16 for module 3, wider than its 8 columns"):
@@ -89,7 +89,7 @@ def test_groups_laid_out_with_one_width_an_adapter_share_one_mask():
     owners = []
     for group in ("qkv", "o"):
         modules = GROUPS[group]
-        fan_in, out_dims = group_dims(cfg, modules)
+        fan_in, out_dims = cfg.group_dims(modules)
         rows = stack_rows(pool.tables, [0, 1, 2], modules, fan_in, out_dims, pool.width, zero, 32, widths=[8, 16, 4])
         x = torch.randn(5, fan_in, generator=torch.Generator().manual_seed(3))
         out = torch.zeros(5, sum(out_dims))

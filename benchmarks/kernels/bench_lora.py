@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, llama_config
 from benchmarks.kernels.timing import time_graph
 from services.gpu_worker import kernels
 from services.gpu_worker.kernels.checks import cdiv
@@ -48,7 +48,7 @@ def bench_group(model: str, group: str, batches: list[int], n_adapters: int = 10
                 device: str = "cuda") -> list[dict]:
     cfg = llama_config(model)
     modules = GROUPS[group]
-    fan_in, out_dims = group_dims(cfg, modules)
+    fan_in, out_dims = cfg.group_dims(modules)
     ranks = [rank_set[i % len(rank_set)] for i in range(n_adapters)]
     pool = AdapterPool(cfg, ranks, dtype, device, num_layers=num_layers, spare_slots=1, seed=seed)
     zero_slot = int(pool.spare[0])
@@ -141,7 +141,7 @@ def check_baselines_agree(model: str = "llama2-7b", group: str = "qkv", num_toke
     relative difference of the expand outputs."""
     cfg = llama_config(model)
     modules = GROUPS[group]
-    fan_in, out_dims = group_dims(cfg, modules)
+    fan_in, out_dims = cfg.group_dims(modules)
     ranks = [(8, 16, 32, 64)[i % 4] for i in range(20)]
     pool = AdapterPool(cfg, ranks, dtype, device, spare_slots=1, seed=seed)
     zero_slot = int(pool.spare[0])
@@ -179,7 +179,7 @@ def sweep_launch_shapes(model: str, group: str, num_tokens: int, n_adapters: int
 
     cfg = llama_config(model)
     modules = GROUPS[group]
-    fan_in, out_dims = group_dims(cfg, modules)
+    fan_in, out_dims = cfg.group_dims(modules)
     ranks = [rank_set[i % len(rank_set)] for i in range(n_adapters)]
     pool = AdapterPool(cfg, ranks, dtype, device, num_layers=num_layers, seed=seed)
     gen = torch.Generator().manual_seed(seed)

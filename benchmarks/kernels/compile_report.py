@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
 from triton.runtime import jit as triton_jit  # noqa: E402
 
-from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config, paged_kv  # noqa: E402
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, llama_config, paged_kv  # noqa: E402
 from services.gpu_worker import kernels  # noqa: E402
 from services.gpu_worker.kernels.launch_shapes import set_launch_shapes  # noqa: E402
 from shared.kernel_shapes import LaunchShapes  # noqa: E402
@@ -66,7 +66,7 @@ def launch_everything(dtype=torch.bfloat16) -> None:
         cfg = llama_config(model)
         pool = AdapterPool(cfg, [8, 16, 32, 64], dtype, "cpu")
         for modules in GROUPS.values():
-            fan_in, out_dims = group_dims(cfg, modules)
+            fan_in, out_dims = cfg.group_dims(modules)
             for num_tokens in (1, 4, 16, 64, 128, 256, 512):
                 token_adapter = (torch.arange(num_tokens, dtype=torch.int32) * 7) % 4
                 x = torch.zeros(num_tokens, fan_in, dtype=dtype)

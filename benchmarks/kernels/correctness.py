@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config, paged_kv
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, llama_config, paged_kv
 from services.gpu_worker import kernels
 from services.gpu_worker.ops import reference
 
@@ -43,7 +43,7 @@ def lora_checks(model: str, dtype: torch.dtype, device: str, seed: int = 0) -> l
     decode, prefill, seg = _token_batches(len(CHECK_RANKS), device, gen)
     rows = []
     for group, modules in GROUPS.items():
-        fan_in, out_dims = group_dims(cfg, modules)
+        fan_in, out_dims = cfg.group_dims(modules)
         for form in ("token", "grouped", "segments"):
             token_adapter = prefill if form == "segments" else decode
             kwargs = dict(seg) if form == "segments" else {}

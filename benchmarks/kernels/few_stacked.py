@@ -24,7 +24,7 @@ import sys
 import torch
 
 from benchmarks.kernels.graph_live_segments import RESULT_TOLERANCE, batch_of, measure
-from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, llama_config
 from benchmarks.kernels.timing import time_graph
 from services.gpu_worker import kernels
 from services.gpu_worker.ops.stacked_lora import (gather_stack, stack_mask, stack_rows, stacked_lora,
@@ -39,7 +39,7 @@ def stacked_rows(model: str, group: str, batch: int, distinct: int, paddings: tu
     """The stacked plans' rows for `batch` tokens over `distinct` adapters (graph_live_segments.batch_of)."""
     cfg = llama_config(model)
     modules = GROUPS[group]
-    fan_in, out_dims = group_dims(cfg, modules)
+    fan_in, out_dims = cfg.group_dims(modules)
     ranks = [(8, 16, 32, 64)[i % 4] for i in range(n_adapters)]
     pool = AdapterPool(cfg, ranks, dtype, device, num_layers=num_layers, spare_slots=1, seed=seed)
     zero = int(pool.spare[0])

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, llama_config
 from benchmarks.kernels.timing import time_graph
 from services.gpu_worker import kernels
 from services.gpu_worker.kernels.lora_expand import choose_expand_config
@@ -137,7 +137,7 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     (adapter ids below n_adapters; `batch` and `distinct` then only label the rows)."""
     cfg = llama_config(model)
     modules = GROUPS[group]
-    fan_in, out_dims = group_dims(cfg, modules)
+    fan_in, out_dims = cfg.group_dims(modules)
     ranks = [(8, 16, 32, 64)[i % 4] for i in range(n_adapters)]
     pool = AdapterPool(cfg, ranks, dtype, device, num_layers=num_layers, seed=seed)
     gen = torch.Generator().manual_seed(seed + batch + distinct)

@@ -27,11 +27,6 @@ def llama_config(name: str) -> ModelConfig:
 GROUPS = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
 
 
-def group_dims(cfg: ModelConfig, modules: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-    """(fan_in shared by the group, out_dims): ModelConfig.group_dims."""
-    return cfg.group_dims(modules)
-
-
 class AdapterPool:
     """`num_layers` layers of K/V buffers holding adapters (every module adapted at the adapter's rank)
     at randomly permuted slots, plus `spare_slots` free slots; the resident tables for them."""

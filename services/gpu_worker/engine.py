@@ -23,13 +23,13 @@ from shared.model_config import ModelConfig
 from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
-from .cuda_graphs import DecodeGraphs, groups_of_modules
+from .cuda_graphs import LORA_GROUPS, DecodeGraphs, groups_of_modules
 from .graph_stacks import GraphStacks
 from .held_stacks import HeldStacks, held_bytes
 from .kernels.launch_shapes import launch_shapes, set_launch_shapes
 from .lookahead import PENDING_TOKEN, ending_by_length, lookahead_rows, unfinished_prompts
 from .merge_mode import MergeMode
-from .model import DOWN, GATE_UP, O, QKV, LlamaModel
+from .model import LlamaModel
 from .ops import select_backend
 from .page_table import PageTable
 from .pool import UnifiedPool
@@ -123,7 +123,7 @@ class Engine:
         # Rows of zeros in every layer, read by a stacked graph's columns past its adapters' rows.
         zero_slot = self.pool.allocator.allocate(1)[0]
         self.pool.kv[:, :, zero_slot] = 0
-        stacks = GraphStacks(self.cfg, (QKV, O, GATE_UP, DOWN), self.pool.slot_width, zero_slot,
+        stacks = GraphStacks(self.cfg, LORA_GROUPS, self.pool.slot_width, zero_slot,
                              self.adapters.tables.ranks.shape[0], self.device, held=self.held_stacks)
         return DecodeGraphs(self.model, self.pool, self.adapters.tables, self.page_table, max_batch,
                             self.config.max_lora_rank, scratch_slot, scratch_row,
@@ -137,10 +137,9 @@ class Engine:
         columns = shapes.graph_stacked_held
         if not (columns and shapes.graph_few_stacked and self.device.type == "cuda" and self.config.cuda_graphs):
             return None
-        groups = (QKV, O, GATE_UP, DOWN)
         log.info("engine.held_stacks", columns=columns,
-                 gb=round(held_bytes(self.cfg, groups, self.cfg.kv_dim, columns, self.dtype) / 1e9, 2))
-        return HeldStacks(self.cfg, groups, self.cfg.kv_dim, columns, self.dtype, self.device)
+                 gb=round(held_bytes(self.cfg, LORA_GROUPS, self.cfg.kv_dim, columns, self.dtype) / 1e9, 2))
+        return HeldStacks(self.cfg, LORA_GROUPS, self.cfg.kv_dim, columns, self.dtype, self.device)
 
     def _slots_from_memory(self) -> int:
         if self.device.type != "cuda":

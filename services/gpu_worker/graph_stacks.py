@@ -72,6 +72,7 @@ class GraphStacks:
         self.buffers: dict[int, dict[tuple[int, ...], StackedRows]] = {}
         self.filled: dict[int, tuple] = {}  # columns -> the adapters its index buffers point at
         self.looked_up: tuple | None = None
+        self.gathered: tuple[int, tuple] | None = None  # (columns, the adapters) the held buffers hold
         self.fills = 0
 
     def rows(self, columns: int) -> dict[tuple[int, ...], StackedRows]:
@@ -117,14 +118,14 @@ class GraphStacks:
                 _copy(dst.owner, built.owner)
             self.filled[columns] = key
             self.fills += 1
-        if held and not (self.held_stacks.holds is not None and self.held_stacks.holds[0] == columns
-                         and _same(key, self.held_stacks.holds[1])):
+        if held and not (self.gathered is not None and self.gathered[0] == columns
+                         and _same(key, self.gathered[1])):
             # Only the groups these adapters adapt: a graph runs no other (its key's LoRA groups follow the
             # step's ranks), and S1/S2's q,k,v,o adapters would otherwise copy the MLP's zero rows, most of it.
             used = {modules: rows for modules, rows in self.rows(columns).items()
                     if any(r.ranks[m] for r in residents for m in modules)}
             self.held_stacks.gather(pool, used)
-            self.held_stacks.holds = (columns, key)
+            self.gathered = (columns, key)
         if not _same(key, self.looked_up):
             lookup = torch.full(self.lookup.shape, -1, dtype=torch.int32)
             for place, r in enumerate(residents):

@@ -44,7 +44,6 @@ class HeldStacks:
             a_rows, b_rows = group_rows(cfg, modules, slot_width, columns)
             self.a[modules] = torch.zeros(cfg.num_layers, a_rows, slot_width, dtype=dtype, device=device)
             self.b[modules] = torch.zeros(cfg.num_layers, b_rows, slot_width, dtype=dtype, device=device)
-        self.holds: tuple | None = None  # what the buffers hold: (columns, the adapters), set by the caller
         self.gathers = 0
 
     def _buffers(self, layer: int, modules: tuple[int, ...], rows: StackedRows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from bench import REPO, child_env
 PRELUDE = """
 import torch
 import benchmarks.kernels.compile_report as cr
-from benchmarks.kernels.shapes import GROUPS, AdapterPool, group_dims, llama_config
+from benchmarks.kernels.shapes import GROUPS, AdapterPool, llama_config
 from services.gpu_worker import kernels
 cr.triton_jit.JITFunction.run = cr._compile_instead_of_launch
 cfg = llama_config("llama3-8b")
@@ -19,7 +19,7 @@ pool = AdapterPool(cfg, [8, 16, 32, 64], torch.bfloat16, "cpu")
 
 SCRIPT = PRELUDE + """
 modules = GROUPS["gate_up"]
-fan_in, out_dims = group_dims(cfg, modules)
+fan_in, out_dims = cfg.group_dims(modules)
 token_adapter = (torch.arange(512, dtype=torch.int32) * 7) % 4
 grouped = kernels.group_tokens_by_adapter(token_adapter, 100).kwargs()
 y = torch.zeros(len(modules), 512, 64, dtype=torch.bfloat16)
@@ -61,7 +61,7 @@ LONG_TILES = PRELUDE + """
 from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
 from shared.kernel_shapes import LaunchShapes
 modules = GROUPS["qkv"]
-fan_in, out_dims = group_dims(cfg, modules)
+fan_in, out_dims = cfg.group_dims(modules)
 token_adapter = (torch.arange(512, dtype=torch.int32) * 7) % 4
 shared = {**kernels.group_tokens_by_adapter(token_adapter, 100, count_live=True).kwargs(),
           "live_segments": 32, "segment_programs": 32}
@@ -97,7 +97,7 @@ DEALT = PRELUDE + """
 from services.gpu_worker.kernels.launch_shapes import set_launch_shapes
 from shared.kernel_shapes import LaunchShapes
 modules = GROUPS["gate_up"]
-fan_in, out_dims = group_dims(cfg, modules)
+fan_in, out_dims = cfg.group_dims(modules)
 token_adapter = (torch.arange(512, dtype=torch.int32) * 7) % 4
 shared = {**kernels.group_tokens_by_adapter(token_adapter, count_live=True).kwargs(),
           "live_segments": 32, "segment_programs": 32}
@@ -127,7 +127,7 @@ CAPPED = PRELUDE + """
 import dataclasses
 from services.gpu_worker.kernels.lora_expand import choose_expand_config
 modules = GROUPS["qkv"]
-fan_in, out_dims = group_dims(cfg, modules)
+fan_in, out_dims = cfg.group_dims(modules)
 token_adapter = (torch.arange(384, dtype=torch.int32) * 7) % 300
 bound = kernels.group_tokens_by_adapter(token_adapter, count_live=True).kwargs()
 bound.pop("num_live")

@@ -133,7 +133,7 @@ def test_held_stacks_are_gathered_when_the_adapters_change_and_not_while_they_st
     stacks.fill(64, [residents["mlp"]], pool, held=False)
     assert held.gathers == 1
     stacks.fill(64, [residents["mlp"]], pool, held=True)
-    assert held.gathers == 2 and held.holds[0] == 64
+    assert held.gathers == 2 and stacks.gathered[0] == 64
     stacks.fill(64, first, pool, held=True)
     assert held.gathers == 3
     assert all(torch.equal(x, y) for x, y in zip(held_operands(stacks, pool, 64), before))
@@ -164,30 +164,15 @@ def test_an_adapter_loaded_again_is_gathered_again(engine_with_residents):
     assert torch.equal(a, fresh) and not torch.equal(a, before)
 
 
-def test_the_held_buffers_take_what_held_bytes_says():
-    cfg = ModelConfig.from_hf(hf_config("tiny", VOCAB_SIZE))
-    held = HeldStacks(cfg, GROUPS, cfg.kv_dim, 128, torch.float16, "cpu")
+def test_the_held_buffers_take_what_held_bytes_says(engine_with_residents):
+    # held_bytes against the stacks' own index lists (ops.stacked_lora.stack_rows): a buffer row for every
+    # row a full-width stack gathers, in every layer.
+    engine, _, stacks = engine_with_residents
+    held, cfg = stacks.held_stacks, engine.cfg
     taken = sum(t.numel() * t.element_size() for t in (*held.a.values(), *held.b.values()))
-    assert taken == held_bytes(cfg, GROUPS, cfg.kv_dim, 128, torch.float16) > 0
+    gathered_rows = sum(r.a_rows.numel() + r.b_rows.numel() for r in stacks.rows(held.columns).values())
+    row_bytes = engine.pool.slot_width * engine.pool.kv.element_size()
+    assert taken == held_bytes(cfg, GROUPS, engine.pool.slot_width, held.columns, engine.pool.dtype) \
+        == cfg.num_layers * gathered_rows * row_bytes > 0
     # Twice the columns, twice the bytes: every row is a column's.
-    assert held_bytes(cfg, GROUPS, cfg.kv_dim, 256, torch.float16) == 2 * taken
-
-
-def test_a_held_gather_copies_only_the_groups_its_adapters_adapt(engine_with_residents):
-    engine, residents, stacks = engine_with_residents
-    held, pool = stacks.held_stacks, engine.pool
-    # "attn" adapts q, v and o: the q,k,v and o groups; the MLP's buffers are not written (still zeros).
-    stacks.fill(64, [residents["attn"]], pool, held=True)
-    assert all(held.a[m].abs().sum() == 0 and held.b[m].abs().sum() == 0 for m in (GATE_UP, DOWN))
-    for layer in range(pool.kv.shape[0]):
-        for modules in (QKV, O):
-            a, bts = stacks.operands(pool, layer, modules, 64, held=True)
-            g_a, g_bts = stacks.operands(pool, layer, modules, 64, held=False)
-            assert torch.equal(a, g_a) and all(torch.equal(x, y) for x, y in zip(bts, g_bts))
-    # "mlp" adapts k, gate and down: q,k,v, gate,up and down are gathered, and read as the pool gives them.
-    stacks.fill(64, [residents["mlp"]], pool, held=True)
-    for modules in (QKV, GATE_UP, DOWN):
-        a, bts = stacks.operands(pool, 1, modules, 64, held=True)
-        g_a, g_bts = stacks.operands(pool, 1, modules, 64, held=False)
-        assert torch.equal(a, g_a) and all(torch.equal(x, y) for x, y in zip(bts, g_bts))
-    assert held.a[GATE_UP].abs().sum() > 0
+    assert held_bytes(cfg, GROUPS, engine.pool.slot_width, 128, engine.pool.dtype) == 2 * taken

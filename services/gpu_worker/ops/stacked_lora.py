@@ -124,7 +124,6 @@ def gather_stack(k_buf: torch.Tensor, v_buf: torch.Tensor, rows: StackedRows, a_
     torch.index_select(k_buf, 0, rows.a_rows, out=a_out)
     torch.index_select(v_buf, 0, rows.b_rows, out=b_out)
     return stack_views(a_out, b_out, rows)
-    return stack_views(a, b, rows)
 
 
 def stacked_products(x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], keep: torch.Tensor,
