@@ -176,3 +176,23 @@ def test_the_held_buffers_take_what_held_bytes_says(engine_with_residents):
         == cfg.num_layers * gathered_rows * row_bytes > 0
     # Twice the columns, twice the bytes: every row is a column's.
     assert held_bytes(cfg, GROUPS, engine.pool.slot_width, 128, engine.pool.dtype) == 2 * taken
+
+
+def test_a_held_gather_copies_only_the_groups_its_adapters_adapt(engine_with_residents):
+    engine, residents, stacks = engine_with_residents
+    held, pool = stacks.held_stacks, engine.pool
+    # "attn" adapts q, v and o: the q,k,v and o groups; the MLP's buffers are not written (still zeros).
+    stacks.fill(64, [residents["attn"]], pool, held=True)
+    assert all(held.a[m].abs().sum() == 0 and held.b[m].abs().sum() == 0 for m in (GATE_UP, DOWN))
+    for layer in range(pool.kv.shape[0]):
+        for modules in (QKV, O):
+            a, bts = stacks.operands(pool, layer, modules, 64, held=True)
+            g_a, g_bts = stacks.operands(pool, layer, modules, 64, held=False)
+            assert torch.equal(a, g_a) and all(torch.equal(x, y) for x, y in zip(bts, g_bts))
+    # "mlp" adapts k, gate and down: q,k,v, gate,up and down are gathered, and read as the pool gives them.
+    stacks.fill(64, [residents["mlp"]], pool, held=True)
+    for modules in (QKV, GATE_UP, DOWN):
+        a, bts = stacks.operands(pool, 1, modules, 64, held=True)
+        g_a, g_bts = stacks.operands(pool, 1, modules, 64, held=False)
+        assert torch.equal(a, g_a) and all(torch.equal(x, y) for x, y in zip(bts, g_bts))
+    assert held.a[GATE_UP].abs().sum() > 0
