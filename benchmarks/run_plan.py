@@ -16,7 +16,8 @@ A plan (YAML):
         run: loraplex bench sweep ... --since {since} --budget-s {budget}
 
 A step's command may name {out} (the results folder), {since} (the plan's start, an ISO minute in UTC, for
-`loraplex bench sweep --since`) and {budget} (seconds the step may run: its cap, or what is left, less a
+`loraplex bench sweep --since`), {started} (the step's own start, to the second: `--since {started}` measures a
+point again that an earlier step of the same plan measured) and {budget} (seconds the step may run: its cap, or what is left, less a
 margin). Progress goes to stderr as each step starts and ends; OUT/plan.json records each step's exit code,
 start and seconds, or why it was skipped, with the versions the served points' lines carry (bench/point.py:
 torch, triton, NVIDIA driver, the server source's fingerprint).
@@ -102,10 +103,11 @@ def run_step(step: Step, out: Path, since: str, left_s: float, gpu: str) -> Outc
     if left_s - MARGIN_S < step.min_s:
         return Outcome(step.name, "skipped", why=f"{left_s:.0f} s left, the step needs {step.min_s}")
     cap = int(min(step.cap_s, left_s - MARGIN_S))
+    started = dt.datetime.now(dt.timezone.utc)
     # Plain replacement, not str.format: a shell command may hold braces of its own.
     command = (step.run.replace("{out}", str(out)).replace("{since}", since)
+               .replace("{started}", started.strftime("%Y-%m-%dT%H:%M:%S"))
                .replace("{budget}", str(max(cap - MARGIN_S, 1))))
-    started = dt.datetime.now(dt.timezone.utc)
     t0 = time.monotonic()
     with open(out / f"{step.name}.log", "w") as log:
         log.write(f"$ {command}\n")

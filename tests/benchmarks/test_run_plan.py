@@ -40,7 +40,7 @@ steps:
   - name: third
     cap_s: 30
     run: >-
-      cat {out}/a.txt && echo "budget {budget}" &&
+      cat {out}/a.txt && echo "budget {budget}" && echo "at {started}" &&
       echo '{"braces": 1}' | python3 -c 'import json,sys; print(json.load(sys.stdin))'
 """
     proc, out = run_plan(tmp_path, plan, 200, "--since", "2026-12-04T21:30")
@@ -54,6 +54,8 @@ steps:
     third = (out / "third.log").read_text()
     # The third step ran after the first (it read its file); its budget is its 30 s cap less the margin.
     assert "one\n" in third and "budget 10\n" in third and "{'braces': 1}" in third
+    # {started} is the step's own start, the one plan.json records, to the second.
+    assert f"at {got['third']['started'].removesuffix('+00:00')}\n" in third
     assert "[2/3] broken: failed, rc 3" in proc.stderr and "[3/3] third: done, rc 0" in proc.stderr
 
 
