@@ -50,6 +50,10 @@ Words, comma-separated:
                         adapters, 2.8% less at 256 over 8, 1.5% less at S2's 256 over 5, and served S-GQA n = 5
                         went from 43.91 to 45.94 req/s; gathered every step they gained 5% at 512 over 5 but lost
                         6.5% at 256 over 8 (docs/benchmarks.md, 2026-12-06 06:12)
+  graph_batch_step=N    decode graphs are captured for batches every N rows past 256 (every min(N, 32) from 128
+                        to 256; N a power of two, 8 to 64; default 64): a step replays the smallest graph holding
+                        its rows, and its base GEMMs, bound by their FLOPs at served batches, compute the padding
+                        rows too; a smaller N captures more graphs at warm-up
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
@@ -96,6 +100,7 @@ class LaunchShapes:
     graph_few_deal_max: int = 8  # 0 (no_graph_few_deal_max): up to the graph's bound on busy segments
     graph_few_stacked: int = 8  # 0 (no_graph_few_stacked): the segment kernels at every step
     graph_stacked_held: int = 256  # 0 (no_graph_stacked_held): a stacked graph gathers its rows every step
+    graph_batch_step: int = 64
     expand_rank_whole: bool = False
     expand_registers: int = 56  # 0 (no_expand_registers): the compiler's choice
 
@@ -139,6 +144,8 @@ class LaunchShapes:
             raise ValueError("kernel_shapes: attention_block_n must be at least 16 (a tl.dot tile)")
         if not 16 <= values.get("graph_few_shrink_m", 16) <= 128:
             raise ValueError("kernel_shapes: graph_few_shrink_m must be 16 to 128 (a tl.dot tile, within shared memory)")
+        if not 8 <= values.get("graph_batch_step", 64) <= 64:
+            raise ValueError("kernel_shapes: graph_batch_step must be 8 to 64 rows")
         if 0 < values.get("graph_stacked_held", 0) < 64:
             raise ValueError("kernel_shapes: graph_stacked_held must be at least 64 columns (a stacked graph's fewest)")
         return cls(**values)

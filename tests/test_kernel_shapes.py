@@ -89,6 +89,10 @@ def test_the_register_cap_goes_to_the_many_program_expand_launches_only():
     ("expand_registers=256", "expand_registers needs a register count from 24 to 255"),
     ("expand_registers", "expand_registers needs a register count"),
     ("no_expand_registers=56", "expand_registers takes no value"),
+    ("graph_batch_step=128", "graph_batch_step must be 8 to 64 rows"),
+    ("graph_batch_step=4", "graph_batch_step must be 8 to 64 rows"),
+    ("no_graph_batch_step", "graph_batch_step must be 8 to 64 rows"),
+    ("graph_batch_step=48", "graph_batch_step needs a power of two"),
 ])
 def test_a_wrong_word_is_refused_by_name(text, message):
     with pytest.raises(ValueError, match=message):
@@ -157,3 +161,8 @@ def test_the_stacked_plan_takes_any_count_of_adapters_and_is_on_by_default_held(
     for bad in ("graph_few_stacked", "graph_few_stacked=0", "graph_few_stacked=x"):
         with pytest.raises(ValueError, match="graph_few_stacked needs a count of adapters"):
             LaunchShapes.parse(bad)
+
+
+def test_the_graphs_batch_step_past_256_is_64_rows_by_default():
+    assert LaunchShapes().graph_batch_step == 64
+    assert LaunchShapes.parse("graph_batch_step=32").graph_batch_step == 32

@@ -29,6 +29,7 @@ buffers (graph_stacked_held, held_stacks.py) or gather them; captured at first u
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import NamedTuple
 
@@ -44,7 +45,7 @@ from .page_table import PageTable
 from .pool import UnifiedPool
 from .requests import Sequence
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+SMALL_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 RANK_BUCKETS = (16, 64)
 MIN_CONTEXT_BUCKET = 512
 IDS, POS, OUT_SLOT, CTX, ADAPTER, ROW = range(6)
@@ -56,6 +57,19 @@ GROUP_OF_MODULE = tuple(next(i for i, g in enumerate(LORA_GROUPS) if m in g) for
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= value)
+
+
+@functools.lru_cache(maxsize=None)
+def batch_buckets(max_batch: int, step: int = 64) -> tuple[int, ...]:
+    """The batch sizes decode graphs are captured for, up to `max_batch`: the small sizes to 128, then every
+    min(step, 32) rows to 256 and every `step` rows past it (kernel_shapes graph_batch_step). A step replays the
+    smallest holding its rows, and the rows past them are padding that the base GEMMs still compute: at served
+    batches of 384 and 512 those GEMMs are bound by their FLOPs, so a step of 330 rows in a graph of 384 spends
+    ~16% more on them than its own rows need."""
+    sizes = list(SMALL_BATCH_BUCKETS)
+    while sizes[-1] < max_batch:
+        sizes.append(sizes[-1] + (min(step, 32) if sizes[-1] < 256 else step))
+    return tuple(b for b in sizes if b < max_batch) + (max_batch,)
 
 
 def context_bucket(ctx: int, max_len: int) -> int:
@@ -152,10 +166,10 @@ class DecodeGraphs:
         self.model, self.pool, self.tables, self.page_table = model, pool, tables, page_table
         self.stacks = stacks
         self.few_adapters, self.segment_programs, self.warm_groups = few_adapters, segment_programs, warm_groups
-        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        self.max_batch = max_batch
         self.rank_buckets = tuple(r for r in RANK_BUCKETS if r < max_rank) + (max_rank,)
         device = pool.device
-        size = self.batch_buckets[-1]
+        size = max_batch
         # Padding rows: token 0 at position 0, written to and attending to the scratch slot only.
         self.padding = torch.tensor([0, 0, scratch_slot, 1, -1, scratch_row], dtype=torch.int32)
         # Two staging buffers, each reused only once its last copy is done: with a step launched ahead
@@ -176,7 +190,12 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
 
     def supports(self, num_seqs: int) -> bool:
-        return num_seqs <= self.batch_buckets[-1]
+        return num_seqs <= self.max_batch
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        """Read at each step, so a setting switched between steps (benchmarks/decode_ab.py) buckets by its own."""
+        return batch_buckets(self.max_batch, launch_shapes().graph_batch_step)
 
     def _context_bucket(self, ctx: int) -> int:
         return context_bucket(ctx, self.page_table.max_len)

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from services.gpu_worker.cuda_graphs import StackPlan
+from services.gpu_worker.cuda_graphs import StackPlan, batch_buckets
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.held_stacks import HeldStacks
 from services.gpu_worker.model import DOWN, GATE_UP, O, QKV
@@ -105,3 +105,26 @@ def test_each_step_replays_the_graph_of_its_adapters_groups_and_plan(tmp_path, c
         assert all(few == (size <= 2 or groups == attn_only) for size, rank, _, few, groups in keys if rank)
     # Base-only steps replay graphs without LoRA.
     assert all(k[4] == (False,) * 4 for k in keys if not k[1])
+
+
+@pytest.mark.parametrize("shapes,size", [("", 320), ("graph_batch_step=32", 288), ("graph_batch_step=16", 272)])
+def test_a_step_replays_the_smallest_batch_bucket_its_setting_captures(tmp_path, cuda_graph_api, shapes, size):
+    """270 rows: past 256 the graphs come every 64 rows by default, so the step pads to 320 (its base GEMMs
+    compute the 50 padding rows); graph_batch_step=32 and 16 capture batches nearer its rows."""
+    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
+    engine = Engine.from_model_dir(base, EngineConfig(device="cpu", num_slots=4096, max_running_requests=320,
+                                                      cuda_graph_max_batch=320, kernel_shapes=shapes))
+    engine.graphs = engine._decode_graphs()
+    for i in range(270):
+        engine.add_request(EngineRequest(f"r{i}", [3 + i % 50, 5], SamplingParams(max_tokens=3, ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
+    assert {k[0] for k in engine.graphs.graphs} == {size}
+
+
+def test_batch_buckets_follow_the_step_past_256_and_end_at_the_largest_batch():
+    small = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+    assert batch_buckets(512) == small + (160, 192, 224, 256, 320, 384, 448, 512)  # the buckets before the word
+    assert batch_buckets(384, 32) == small + (160, 192, 224, 256, 288, 320, 352, 384)
+    assert batch_buckets(256, 16)[len(small):] == tuple(range(144, 257, 16))
+    assert batch_buckets(100) == small[:-1] + (100,) and batch_buckets(600)[-3:] == (512, 576, 600)
