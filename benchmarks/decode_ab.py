@@ -66,8 +66,9 @@ def build(args) -> tuple[Engine, list[str]]:
         cfg = ModelConfig.from_hf(LLAMA2_7B if args.model == "llama2-7b" else LLAMA3_8B)
         targets, device, dtype, graphs = TARGETS[args.model], "cuda", "bfloat16", True
     engine = Engine.with_dummy_weights(cfg, EngineConfig(
-        device=device, dtype=dtype, num_slots=args.slots or (4096 if args.smoke else 0), max_lora_rank=64, max_running_requests=args.batch,
-        max_batched_tokens=8192, cuda_graphs=graphs, cuda_graph_max_batch=max(args.batch, EngineConfig.cuda_graph_max_batch),
+        device=device, dtype=dtype, num_slots=args.slots or (4096 if args.smoke else 0), max_lora_rank=64, max_running_requests=max(args.batch, args.max_batch),
+        max_batched_tokens=8192, cuda_graphs=graphs,
+        cuda_graph_max_batch=max(args.batch, args.max_batch or EngineConfig.cuda_graph_max_batch),
         kernel_shapes=args.a, overlap_steps=False))  # one step timed at a time
     return engine, add_synthetic_adapters(engine, args.adapters, targets)
 
@@ -81,6 +82,9 @@ def main() -> int:
     p.add_argument("--a", default="", help="kernel_shapes of setting A (empty: the defaults)")
     p.add_argument("--b", action="append", default=None,
                    help="kernel_shapes of setting B (empty: the defaults); again for C, D, ...")
+    p.add_argument("--max-batch", type=int, default=0,
+                   help="the graphs' largest batch (cuda_graph_max_batch, as a served stack sets it; 0: the default, "
+                        "or --batch if larger): a batch below it replays the bucket holding it")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=4, help="decode steps timed a round")
     p.add_argument("--out", required=True)
@@ -139,7 +143,10 @@ def main() -> int:
               "b": others[0], "settings": words, "rounds": args.rounds, "steps": args.steps,
               "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
               "torch": torch.__version__, "step_ms": times, "median_ms": medians, "median_minus_a_ms": minus_a,
-              "over_a": over_a, "median_b_minus_a_ms": minus_a["B"], "b_over_a": over_a["B"]}
+              "over_a": over_a, "median_b_minus_a_ms": minus_a["B"], "b_over_a": over_a["B"],
+              "max_batch": engine.graphs.max_batch if engine.graphs is not None else None,
+              # The batch buckets each setting's graphs replayed (kernel_shapes graph_batch_step sets them).
+              "graph_batches": {k: sorted({key[0] for key in g}) for k, g in graphs.items() if g is not None}}
     # What a decode step's LoRA kernels must read (the same under both settings): over the copy ceiling, the
     # floor of their share of the step.
     stats = engine.step_stats
