@@ -53,7 +53,9 @@ Words, comma-separated:
   graph_batch_step=N    decode graphs are captured for batches every N rows past 256 (every min(N, 32) from 128
                         to 256; N a power of two, 8 to 64; default 64): a step replays the smallest graph holding
                         its rows, and its base GEMMs, bound by their FLOPs at served batches, compute the padding
-                        rows too; a smaller N captures more graphs at warm-up
+                        rows too; a smaller N captures more graphs at warm-up. On an H100 Llama-2-7B's step of 336
+                        rows took 1.1-1.6 ms less in a graph of 336 than of 384, Llama-3-8B's of 456 rows 0.5-0.7 ms
+                        more in one of 464 than of 512 (docs/benchmarks.md, 2026-12-06 09:13)
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
