@@ -10,6 +10,11 @@ in a process of their own, as a sweep measures them before its stacks), to set b
 `worker_steps`.
 
     python benchmarks/engine_trace.py --adapters 100 --seconds 40 --out trace.json
+
+`--profile-steps N --profile-out FILE` then runs N more steps under the torch profiler and writes their GPU
+kernels as a table: a served step's kernels at the trace's own rows, contexts and adapters (the graphs' padding
+rows, a context bucket over mixed lengths, admission steps between decode steps), to set beside
+benchmarks/profile_decode.py's uniform batch, with the share of those steps' wall time the GPU ran a kernel.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ import time
 from dataclasses import fields
 
 import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.driver import measure_ceilings_apart
 from bench.roofline import Ceilings
@@ -52,8 +59,13 @@ def main() -> int:
                 "max_batched_tokens", "cuda_graph_max_batch")
     add_config_arguments(p.add_argument_group("engine"), EngineConfig, skip=set_here)
     p.add_argument("--out", default="engine_trace.json")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the window, this many steps under the torch profiler (0: none)")
+    p.add_argument("--profile-out", default="", help="where the profiled steps' kernel table goes")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few seconds: checks the script runs")
     args = p.parse_args()
+    if args.profile_steps and not args.profile_out:
+        p.error("--profile-steps needs --profile-out")
     if args.smoke:  # the tiny test model's shapes on q,k,v,o, as the `tiny` setting
         cfg, targets, device, dtype = ModelConfig.from_hf(hf_config("tiny", VOCAB_SIZE)), ATTENTION, "cpu", "float32"
         args.ranks, args.max_running, args.max_batched_tokens = "8,4", min(args.max_running, 8), 256
@@ -139,10 +151,42 @@ def main() -> int:
     setting = get_setting("tiny") if args.smoke else setting_of(args.model)
     dtype_bytes = 4 if args.smoke else 2
     result.update(steps=with_floors(window, setting, ceilings, dtype_bytes), ceilings=ceilings.as_dict())
+    if args.profile_steps:
+        result["profiled"] = profile_steps(engine, args.profile_steps, args.profile_out)
     print(json.dumps(result), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     return 0
+
+
+def profile_steps(engine: Engine, n: int, out: str) -> dict:
+    """Run up to `n` steps under the profiler; write their kernels' table to `out`. Returns the steps by kind,
+    their wall time and the GPU's kernel time over it (below 1: the GPU waited, on the host or between
+    steps). Kernels of graph replays are recorded one by one, as eager steps' are."""
+    gpu = engine.device.type == "cuda"
+    kinds = {"graph": 0, "eager": 0}
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished() and sum(kinds.values()) < n:
+            flight = engine.launch_step()
+            engine.finish_step(flight)
+            kinds["graph" if flight.replayed else "eager"] += 1
+        sync()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events) if gpu else 0.0
+    table = events.table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total", row_limit=40,
+                         max_name_column_width=70)
+    steps = sum(kinds.values())
+    with open(out, "w") as f:
+        busy = f"the GPU busy {kernel_us / 1e6 / wall:.3f} of it" if gpu else "on the CPU (no GPU kernels)"
+        f.write(f"{steps} steps ({kinds['graph']} graph, {kinds['eager']} eager), {wall * 1e3 / max(steps, 1):.2f} ms a "
+                f"step of wall time, {busy}\n{table}\n")
+    return {"steps": kinds, "wall_ms_a_step": wall * 1e3 / max(steps, 1),
+            "kernel_ms_a_step": kernel_us / 1e3 / max(steps, 1), "gpu_busy": kernel_us / 1e6 / wall if gpu else None,
+            "table": out}
 
 
 if __name__ == "__main__":
