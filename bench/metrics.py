@@ -151,7 +151,9 @@ STEP_COUNTERS = (("steps", "loraplex_worker_steps_total"), ("seconds", "loraplex
                  ("adapter_bytes", "loraplex_worker_step_adapter_bytes_total"),
                  ("decode_keys", "loraplex_worker_step_decode_keys_total"),
                  ("prompt_pairs", "loraplex_worker_step_prompt_pairs_total"),
-                 ("sampled", "loraplex_worker_step_sampled_total"))
+                 ("sampled", "loraplex_worker_step_sampled_total"),
+                 ("captures", "loraplex_worker_step_graph_captures_total"),
+                 ("capture_seconds", "loraplex_worker_step_graph_capture_seconds_total"))
 # Of those, the totals a kind's floor needs (bench/step_floor.py), recorded as they are.
 FLOOR_COUNTERS = ("adapter_bytes", "decode_keys", "prompt_pairs", "sampled")
 
@@ -409,6 +411,12 @@ class ServerSampler:
                          # Totals for the kind's floor (None: not reported).
                          **{name: (round(totals[name, kind])
                                    if self.step_counters[name, kind].last else None) for name in FLOOR_COUNTERS},
+                         # Graphs captured at first use inside the steps and the host's seconds in them (None:
+                         # not reported): step time no floor accounts for.
+                         "captures": (round(totals["captures", kind])
+                                      if self.step_counters["captures", kind].last else None),
+                         "capture_s": (round(totals["capture_seconds", kind], 3)
+                                       if self.step_counters["capture_seconds", kind].last else None),
                          "share": round(seconds[kind] / busy, 4) if busy else None}
         return out
 

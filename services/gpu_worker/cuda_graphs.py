@@ -188,6 +188,12 @@ class DecodeGraphs:
         self.logits = torch.empty(size, model.cfg.vocab_size, dtype=torch.float32, device=device)
         self.mempool = torch.cuda.graph_pool_handle()
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        # Graphs captured at first use, under load (not by capture_all), and the host's seconds in those
+        # captures (with their kernels' compiles): a step that captures waits for it, and so does every running
+        # request. The engine counts them into its step counters (step_stats.py).
+        self.live_captures = 0
+        self.live_capture_s = 0.0
+        self._warming = False
 
     def supports(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
@@ -246,19 +252,27 @@ class DecodeGraphs:
         load costs its capture and the kernel compiles of its shapes, about a second each, in a step every
         running request waits for. Returns how many graphs were captured."""
         done = 0
-        for key in capture_plan(self.batch_buckets, self.rank_buckets, self.context_buckets(max_context),
-                                self.few_adapters, self.warm_groups):
-            if time.monotonic() >= deadline:
-                break
-            if key not in self.graphs:
-                self._graph(*key)
-                done += 1
+        self._warming = True
+        try:
+            for key in capture_plan(self.batch_buckets, self.rank_buckets, self.context_buckets(max_context),
+                                    self.few_adapters, self.warm_groups):
+                if time.monotonic() >= deadline:
+                    break
+                if key not in self.graphs:
+                    self._graph(*key)
+                    done += 1
+        finally:
+            self._warming = False
         return done
 
     def _graph(self, size: int, rank: int, ctx: int, few: "bool | StackPlan", groups: tuple[bool, ...]) -> torch.cuda.CUDAGraph:
         key = (size, rank, ctx, few, groups)
         if key not in self.graphs:
+            started = time.perf_counter()
             self.graphs[key] = self._capture(*key)
+            if not self._warming:
+                self.live_captures += 1
+                self.live_capture_s += time.perf_counter() - started
         return self.graphs[key]
 
     def run(self, seqs: list[Sequence], device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None

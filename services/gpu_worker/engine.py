@@ -224,7 +224,10 @@ class Engine:
         decode_only = self._is_decode(scheduled)
         if self.graphs is not None and decode_only and self.graphs.supports(len(scheduled)):
             samplers = [seq for seq, _ in scheduled]
+            captures, capture_s = self.graphs.live_captures, self.graphs.live_capture_s
             logits = self.graphs.run(samplers, device_tokens)
+            flight.captures = self.graphs.live_captures - captures
+            flight.capture_s = self.graphs.live_capture_s - capture_s
             flight.replayed = True
         else:
             batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)
@@ -370,7 +373,8 @@ class Engine:
             self.step_stats.record(flight.kind, flight.launched_at, flight.num_tokens, launched=flight.launch_done_at,
                                    ahead=flight.ahead, adapters=flight.adapters, adapter_bytes=flight.adapter_bytes,
                                    decode_keys=flight.decode_keys, prompt_pairs=flight.prompt_pairs,
-                                   sampled=len(flight.samplers))
+                                   sampled=len(flight.samplers), captures=flight.captures,
+                                   capture_s=flight.capture_s)
         for seq in flight.dropped:
             self._release_slots(seq)
         self._ahead = ahead

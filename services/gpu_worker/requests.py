@@ -85,6 +85,8 @@ class StepInFlight:
     decode_keys: int = 0  # Σ over its one-token rows of the context each reads
     prompt_pairs: int = 0  # Σ over its prompt chunks' tokens of the keys each attends (causal)
     launch_done_at: float = 0.0  # time.perf_counter() once its last kernel was launched
+    captures: int = 0  # decode graphs it captured at first use (cuda_graphs.DecodeGraphs.live_captures)
+    capture_s: float = 0.0  # the host's seconds in those captures
     ahead: bool = False  # launched before the step before it had ended (lookahead.py)
     # Requests that ended (stop token) in the step before this one, which was launched before that was
     # known: their token here is dropped, and their slots are freed once this step is done with them.

@@ -21,7 +21,9 @@ are the rows, each counted once: a prefill step's kernels may read a long segmen
 `decode_keys` sums the contexts its one-token rows read (their attention reads K/V: bytes), `prompt_pairs` the
 keys its prompt chunks' tokens attend (their attention is causal matmuls: FLOPs), `sampled` the rows whose
 logits it computed. With `tokens` and `adapter_bytes` they are what a kind's floor needs, each operation at
-the ceiling that binds it (bench/step_floor.py).
+the ceiling that binds it (bench/step_floor.py). `captures` counts the decode graphs a step captured at first
+use (under load, not at warm-up) and `capture_seconds` the host's time in them, kernel compiles included: time
+inside the step's seconds that no floor accounts for.
 """
 from __future__ import annotations
 
@@ -49,14 +51,18 @@ class StepStats:
     decode_keys: dict[str, int] = _zeros(int)  # contexts read by one-token rows, summed
     prompt_pairs: dict[str, int] = _zeros(int)  # (query, key) pairs of prompt chunks, summed
     sampled: dict[str, int] = _zeros(int)  # rows whose logits the steps computed
+    captures: dict[str, int] = _zeros(int)  # decode graphs captured at first use, inside the steps
+    capture_seconds: dict[str, float] = _zeros(float)  # the host's seconds in those captures
     last_end: float = float("-inf")  # when the last recorded step's tokens reached the host
 
     def record(self, kind: str, started: float, tokens: int, now: float | None = None,
                launched: float | None = None, ahead: bool = False, adapters: int = 0, adapter_bytes: int = 0,
-               decode_keys: int = 0, prompt_pairs: int = 0, sampled: int = 0) -> None:
+               decode_keys: int = 0, prompt_pairs: int = 0, sampled: int = 0, captures: int = 0,
+               capture_s: float = 0.0) -> None:
         """One finished step of `kind`, begun at `started` and launched by `launched` (time.perf_counter);
         `ahead`: launched before the step before it had ended (overlap_steps); `adapters`: distinct adapters
-        whose rows it read, `adapter_bytes` of rows; `decode_keys`, `prompt_pairs`, `sampled`: module doc."""
+        whose rows it read, `adapter_bytes` of rows; `decode_keys`, `prompt_pairs`, `sampled`, `captures`,
+        `capture_s`: module doc."""
         if kind not in self.steps:
             raise ValueError(f"unknown step kind {kind!r}; kinds are {', '.join(STEP_KINDS)}")
         now = time.perf_counter() if now is None else now
@@ -70,6 +76,8 @@ class StepStats:
         self.decode_keys[kind] += decode_keys
         self.prompt_pairs[kind] += prompt_pairs
         self.sampled[kind] += sampled
+        self.captures[kind] += captures
+        self.capture_seconds[kind] += capture_s
         if launched is not None:
             self.launch[kind] += max(0.0, launched - own)
         self.last_end = max(self.last_end, now)

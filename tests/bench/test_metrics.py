@@ -177,6 +177,7 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
                             ("decode_keys", "loraplex_worker_step_decode_keys_total"),
                             ("prompt_pairs", "loraplex_worker_step_prompt_pairs_total"),
                             ("sampled", "loraplex_worker_step_sampled_total"),
+                            ("captures", "loraplex_worker_step_graph_captures_total"),
                             ("adapter_bytes", "loraplex_worker_step_adapter_bytes_total")):
             rise = metric(after, name, worker="worker-0", kind=kind) - metric(before, name, worker="worker-0", kind=kind)
             assert steps[kind][field] == rise, (kind, field)
@@ -193,6 +194,8 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
     assert steps["prefill"]["prompt_pairs"] == sum(r.prompt_len * (r.prompt_len + 1) // 2 for r in trace)
     assert steps["decode"]["decode_keys"] > steps["decode"]["tokens"] and steps["decode"]["prompt_pairs"] == 0
     assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["graph"]["steps"] == 0
+    # No graphs on the CPU, so none captured under load; reported all the same (a zero, not None).
+    assert all(steps[kind]["captures"] == 0 and steps[kind]["capture_s"] == 0.0 for kind in steps)
     # Steps not launched ahead, by why: the server's counters' rise, every reason reported.
     held_back = report["worker_steps_held_back"]
     assert set(held_back) == {"prompt", "batch", "round", "slots"}

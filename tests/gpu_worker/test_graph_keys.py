@@ -120,6 +120,24 @@ def test_a_step_replays_the_smallest_batch_bucket_its_setting_captures(tmp_path,
     while engine.has_unfinished():
         engine.step()
     assert {k[0] for k in engine.graphs.graphs} == {size}
+    # Its graph was captured under load, inside a step, and counted there with the host's time in it.
+    stats = engine.step_stats
+    assert stats.captures["graph"] == engine.graphs.live_captures == 1 and stats.captures["prefill"] == 0
+    assert stats.capture_seconds["graph"] == engine.graphs.live_capture_s > 0
+
+
+def test_graphs_captured_at_warm_up_are_not_counted_as_captured_under_load(tmp_path, cuda_graph_api):
+    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
+    engine = Engine.from_model_dir(base, EngineConfig(device="cpu", num_slots=2048, cuda_graph_max_batch=4))
+    engine.graphs = engine._decode_graphs()
+    warmed = engine.graphs.capture_all(max_context=64, deadline=float("inf"))
+    assert warmed == len(engine.graphs.graphs) > 0 and engine.graphs.live_captures == 0
+    for i in range(3):  # base-model requests: their steps replay graphs the warm-up captured
+        engine.add_request(EngineRequest(f"r{i}", [3 + i, 5], SamplingParams(max_tokens=4, ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.step_stats.steps["graph"] >= 3 and engine.step_stats.captures["graph"] == 0
+    assert len(engine.graphs.graphs) == warmed
 
 
 def test_batch_buckets_follow_the_step_past_256_and_end_at_the_largest_batch():

@@ -231,6 +231,8 @@ def test_status_counts_the_steps_by_kind(stack):
     # And those that were not, by why: the three requests sampled greedily and fitted the pool.
     held_back = delta("steps_held_back")
     assert set(held_back) == {"prompt", "batch", "round", "slots"} and held_back["slots"] == 0, held_back
+    # No decode graphs on the CPU: none captured under load, every kind reported.
+    assert delta("step_captures") == {kind: 0 for kind in steps}
 
 
 def test_refused_requests_end_with_an_error_entry(stack):
