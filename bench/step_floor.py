@@ -70,7 +70,10 @@ def window_steps(before, after) -> dict:
         adapters = after.adapters[kind] - before.adapters[kind]
         out[kind] = {"steps": steps, "seconds": seconds, "mean_ms": 1e3 * seconds / steps if steps else None,
                      "adapters_mean": adapters / steps if steps else None,
-                     **{name: getattr(after, name)[kind] - getattr(before, name)[kind] for name in NEEDS[1:]}}
+                     **{name: getattr(after, name)[kind] - getattr(before, name)[kind] for name in NEEDS[1:]},
+                     # Graphs captured at first use inside the window's steps, and the host's seconds in them.
+                     "captures": after.captures[kind] - before.captures[kind],
+                     "capture_s": after.capture_seconds[kind] - before.capture_seconds[kind]}
     return out
 
 
