@@ -179,9 +179,17 @@ def steps_against_floors(line: dict) -> str:
     if not ran or any(s.get("of_floor") is None or s.get("share") is None for _, s in ran):
         return ""
     parts = [f"{name} steps {s['mean_ms']:.1f} ms ({s['share']:.0%} of step time) at {s['of_floor']:.2f} of their "
-             f"{s['floor_ms']:.1f} ms floor" for name, s in ran]
+             f"{s['floor_ms']:.1f} ms floor" + _captured(s) for name, s in ran]
     at_floors = sum(s["share"] * s["of_floor"] for _, s in ran)
     return (", ".join(parts) + f"; the same steps at their floors: {line['throughput_rps'] / at_floors:.1f} req/s")
+
+
+def _captured(s: dict) -> str:
+    """Graphs those steps captured under load (lines from 2026-12-06 10:00 on carry them), when any did: their
+    seconds are inside the steps' time, outside any floor."""
+    if not s.get("captures"):
+        return ""
+    return f" ({s['captures']} graphs captured under load in them, {s['capture_s']:.1f} s)"
 
 
 def roofline_fractions(points: dict) -> Verdict:
