@@ -153,7 +153,9 @@ STEP_COUNTERS = (("steps", "loraplex_worker_steps_total"), ("seconds", "loraplex
                  ("prompt_pairs", "loraplex_worker_step_prompt_pairs_total"),
                  ("sampled", "loraplex_worker_step_sampled_total"),
                  ("captures", "loraplex_worker_step_graph_captures_total"),
-                 ("capture_seconds", "loraplex_worker_step_graph_capture_seconds_total"))
+                 ("capture_seconds", "loraplex_worker_step_graph_capture_seconds_total"),
+                 ("gpu_seconds", "loraplex_worker_step_gpu_seconds_total"),
+                 ("gpu_steps", "loraplex_worker_steps_gpu_timed_total"))
 # Of those, the totals a kind's floor needs (bench/step_floor.py), recorded as they are.
 FLOOR_COUNTERS = ("adapter_bytes", "decode_keys", "prompt_pairs", "sampled")
 
@@ -417,6 +419,10 @@ class ServerSampler:
                                       if self.step_counters["captures", kind].last else None),
                          "capture_s": (round(totals["capture_seconds", kind], 3)
                                        if self.step_counters["capture_seconds", kind].last else None),
+                         # The GPU's own time of a mean timed step, first kernel to last (None: no step timed,
+                         # as on the CPU); mean_ms less it is the stream's idle time between steps.
+                         "gpu_ms": (round(1e3 * totals["gpu_seconds", kind] / totals["gpu_steps", kind], 3)
+                                    if totals["gpu_steps", kind] else None),
                          "share": round(seconds[kind] / busy, 4) if busy else None}
         return out
 

@@ -73,8 +73,14 @@ def window_steps(before, after) -> dict:
                      **{name: getattr(after, name)[kind] - getattr(before, name)[kind] for name in NEEDS[1:]},
                      # Graphs captured at first use inside the window's steps, and the host's seconds in them.
                      "captures": after.captures[kind] - before.captures[kind],
-                     "capture_s": after.capture_seconds[kind] - before.capture_seconds[kind]}
+                     "capture_s": after.capture_seconds[kind] - before.capture_seconds[kind],
+                     "gpu_ms": _gpu_ms(before, after, kind)}
     return out
+
+
+def _gpu_ms(before, after, kind: str) -> float | None:
+    timed = after.gpu_steps[kind] - before.gpu_steps[kind]
+    return 1e3 * (after.gpu_seconds[kind] - before.gpu_seconds[kind]) / timed if timed else None
 
 
 def setting_of(model: str) -> Setting:

@@ -179,9 +179,17 @@ def steps_against_floors(line: dict) -> str:
     if not ran or any(s.get("of_floor") is None or s.get("share") is None for _, s in ran):
         return ""
     parts = [f"{name} steps {s['mean_ms']:.1f} ms ({s['share']:.0%} of step time) at {s['of_floor']:.2f} of their "
-             f"{s['floor_ms']:.1f} ms floor" + _captured(s) for name, s in ran]
+             f"{s['floor_ms']:.1f} ms floor" + _gpu_part(s) + _captured(s) for name, s in ran]
     at_floors = sum(s["share"] * s["of_floor"] for _, s in ran)
     return (", ".join(parts) + f"; the same steps at their floors: {line['throughput_rps'] / at_floors:.1f} req/s")
+
+
+def _gpu_part(s: dict) -> str:
+    """The GPU's own time of a mean step, first kernel to last (lines from 2026-12-06 10:30 on): the rest of the
+    step the stream sat idle between steps."""
+    if not s.get("gpu_ms"):
+        return ""
+    return f", the GPU running {s['gpu_ms']:.1f} ms of each"
 
 
 def _captured(s: dict) -> str:

@@ -198,6 +198,9 @@ class WorkerStatus(Message):
     # Decode graphs captured at first use inside the steps, and the host's seconds in them (step_stats.py).
     step_captures: dict[str, int] = field(default_factory=dict)
     step_capture_seconds: dict[str, float] = field(default_factory=dict)
+    # The GPU's time from timed steps' first kernel to their last, and how many were timed (CUDA only).
+    step_gpu_seconds: dict[str, float] = field(default_factory=dict)
+    step_gpu_counts: dict[str, int] = field(default_factory=dict)
     # Steps not launched ahead of the last one's tokens (overlap_steps), by why (step_stats.HELD_BACK_REASONS).
     steps_held_back: dict[str, int] = field(default_factory=dict)
 

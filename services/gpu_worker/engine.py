@@ -36,7 +36,7 @@ from .pool import UnifiedPool
 from .requests import EngineRequest, RequestOutput, Sequence, StepInFlight
 from .resident_adapters import ResidentAdapters
 from .sampling import GreedyTokens, finish_sampling
-from .step_stats import HELD_BACK_REASONS, StepStats, step_kind
+from .step_stats import HELD_BACK_REASONS, StepStats, gpu_seconds, step_kind
 from .weights import ModelWeights, dummy_weights, load_weights
 
 log = get_logger(__name__)
@@ -221,6 +221,10 @@ class Engine:
         flight.launched_at = flight.launched_at or time.perf_counter()
         if self.copier is not None:
             self.copier.order_before_compute()
+        gpu_start = None
+        if self.device.type == "cuda":
+            gpu_start = torch.cuda.Event(enable_timing=True)
+            gpu_start.record()
         decode_only = self._is_decode(scheduled)
         if self.graphs is not None and decode_only and self.graphs.supports(len(scheduled)):
             samplers = [seq for seq, _ in scheduled]
@@ -250,6 +254,10 @@ class Engine:
         flight.scheduled = {seq for seq, _ in scheduled}
         if samplers:
             flight.greedy = GreedyTokens(logits)
+        if gpu_start is not None:
+            gpu_end = torch.cuda.Event(enable_timing=True)
+            gpu_end.record()
+            flight.gpu_events = (gpu_start, gpu_end)
         flight.launch_done_at = time.perf_counter()
         # Counted once the kernels are queued: the GPU is busy meanwhile.
         flight.adapters, flight.adapter_bytes = self.adapters.rows_read({seq.req.adapter for seq, _ in scheduled})
@@ -374,7 +382,7 @@ class Engine:
                                    ahead=flight.ahead, adapters=flight.adapters, adapter_bytes=flight.adapter_bytes,
                                    decode_keys=flight.decode_keys, prompt_pairs=flight.prompt_pairs,
                                    sampled=len(flight.samplers), captures=flight.captures,
-                                   capture_s=flight.capture_s)
+                                   capture_s=flight.capture_s, gpu_s=gpu_seconds(flight))
         for seq in flight.dropped:
             self._release_slots(seq)
         self._ahead = ahead

@@ -196,6 +196,8 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
     assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["graph"]["steps"] == 0
     # No graphs on the CPU, so none captured under load; reported all the same (a zero, not None).
     assert all(steps[kind]["captures"] == 0 and steps[kind]["capture_s"] == 0.0 for kind in steps)
+    # Nor GPU timing events: no step timed, no GPU time (None rather than a zero that would read as idle).
+    assert all(steps[kind]["gpu_ms"] is None for kind in steps)
     # Steps not launched ahead, by why: the server's counters' rise, every reason reported.
     held_back = report["worker_steps_held_back"]
     assert set(held_back) == {"prompt", "batch", "round", "slots"}

@@ -226,7 +226,7 @@ def test_a_line_measured_on_another_gpu_neither_stands_for_the_target_gpu_nor_en
 def test_a_missed_point_says_where_its_worker_time_went_against_its_steps_floors(tmp_path):
     def steps(graph_share, graph_of, prefill_of, captures=0):
         return {"graph": {"steps": 3000, "mean_ms": 35.8, "share": graph_share, "floor_ms": 27.8, "of_floor": graph_of,
-                          "captures": captures, "capture_s": 0.9 * captures},
+                          "captures": captures, "capture_s": 0.9 * captures, "gpu_ms": 31.2 if captures else None},
                 "decode": {"steps": 0, "mean_ms": None, "share": 0.0},
                 "prefill": {"steps": 280, "mean_ms": 131.1, "share": 1 - graph_share, "floor_ms": 96.0,
                             "of_floor": prefill_of}}
@@ -247,7 +247,8 @@ def test_a_missed_point_says_where_its_worker_time_went_against_its_steps_floors
     # S-GQA n = 100: 0.5 * 0.5 + 0.5 * 0.75 = 0.625 of its step time, 20.0 / 0.625 = 32.0 req/s.
     # Its graph steps captured three graphs under load: said beside them (S2's captured none: nothing said).
     assert status.endswith("; S-GQA n = 100: decode (graph) steps 35.8 ms (50% of step time) at 0.50 of their "
-                           "27.8 ms floor (3 graphs captured under load in them, 2.7 s), prefill steps 131.1 ms (50% of step time) at 0.75 of their 96.0 ms floor; "
+                           "27.8 ms floor, the GPU running 31.2 ms of each (3 graphs captured under load in them, "
+                           "2.7 s), prefill steps 131.1 ms (50% of step time) at 0.75 of their 96.0 ms floor; "
                            "the same steps at their floors: 32.0 req/s")
     assert "S-GQA n = 5:" not in status and "S2 n = 5:" not in status
 

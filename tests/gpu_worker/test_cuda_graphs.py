@@ -77,6 +77,12 @@ def test_graph_replay_matches_eager(tmp_path, few_adapters):
     # Every graph writes the one logits buffer: none keeps a [batch, vocab] output of its own in the pool. The
     # last step replayed a graph for q10 alone (the longest request): its logits are still in row 0.
     assert torch.equal(graph_engine.graphs.logits[0].cpu(), logits["q10"][-1])
+    # Every step sampled and was timed on the GPU, about within its own wall time (a step launched ahead starts
+    # on the GPU a little before the host has read the step before's tokens, where its wall time starts).
+    stats = graph_engine.step_stats
+    assert stats.gpu_steps == stats.steps and stats.captures["graph"] == len(graph_engine.graphs.graphs)
+    assert all(0 < stats.gpu_seconds[kind] <= 1.1 * stats.seconds[kind] + 1e-3 for kind in stats.steps
+               if stats.steps[kind])
     assert_eager_agrees(base, adapters, tokens, logits)
 
 
