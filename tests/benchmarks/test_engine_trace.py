@@ -1,4 +1,5 @@
-"""The engine-alone trace runs end to end on the CPU (tiny model) and gives its window's steps their floors."""
+"""The engine-alone trace runs end to end on the CPU (tiny model), gives its window's steps their floors and
+profiles steps after it."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
     out = tmp_path / "trace.jsonl"
     # Enough requests that a fast machine does not finish them all inside the second of warm-up (60 did); the
     # run stops after its two measured seconds whatever is left.
+    table = tmp_path / "profile.txt"  # then 4 more steps profiled after the window
     proc = subprocess.run([sys.executable, "benchmarks/engine_trace.py", "--smoke", "--adapters", "3", "--requests",
-                           "600", "--seconds", "2", "--warmup", "1", "--out", str(out)],
+                           "600", "--seconds", "2", "--warmup", "1", "--out", str(out), "--profile-steps", "4",
+                           "--profile-out", str(table)],
                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text().splitlines()[-1])
@@ -28,20 +31,16 @@ def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
     assert ran["decode"]["decode_keys"] > ran["decode"]["tokens"] == ran["decode"]["sampled"]
     assert ran["decode"]["adapter_bytes"] > 0
     assert 1 <= ran["decode"]["adapters_mean"] <= 3
-
-
-def test_profiled_steps_after_the_window_write_their_table(tmp_path):
-    out, table = tmp_path / "trace.jsonl", tmp_path / "profile.txt"
-    proc = subprocess.run([sys.executable, "benchmarks/engine_trace.py", "--smoke", "--adapters", "3", "--requests",
-                           "600", "--seconds", "1", "--warmup", "1", "--out", str(out), "--profile-steps", "4",
-                           "--profile-out", str(table)],
-                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    profiled = json.loads(out.read_text().splitlines()[-1])["profiled"]
+    # The profiled steps wrote their table: the steps' own operations, on the CPU.
+    profiled = result["profiled"]
     assert sum(profiled["steps"].values()) == 4 and profiled["wall_ms_a_step"] > 0
     text = table.read_text()
-    assert text.startswith("4 steps (0 graph, 4 eager)") and "aten::mm" in text  # the steps' own operations
-    # Asked without a place for the table, refused before the engine loads.
+    assert text.startswith("4 steps (0 graph, 4 eager)") and "aten::mm" in text
+
+
+
+def test_profiling_without_a_place_for_its_table_is_refused_before_the_engine_loads(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/engine_trace.py", "--smoke", "--profile-steps", "4",
-                           "--out", str(out)], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+                           "--out", str(tmp_path / "trace.jsonl")], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 2 and "--profile-steps needs --profile-out" in proc.stderr
