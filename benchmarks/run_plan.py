@@ -16,11 +16,11 @@ A plan (YAML):
         run: loraplex bench sweep ... --since {since} --budget-s {budget}
 
 A step's command may name {out} (the results folder), {since} (the plan's start, an ISO minute in UTC, for
-`loraplex bench sweep --since`), {started} (the step's own start, to the second: `--since {started}` measures a
-point again that an earlier step of the same plan measured) and {budget} (seconds the step may run: its cap, or what is left, less a
-margin). Progress goes to stderr as each step starts and ends; OUT/plan.json records each step's exit code,
-start and seconds, or why it was skipped, with the versions the served points' lines carry (bench/point.py:
-torch, triton, NVIDIA driver, the server source's fingerprint).
+`loraplex bench sweep --since`), {started} (the step's own start, to the second: `--since {started}` measures
+a point again that an earlier step of the same plan measured) and {budget} (seconds the step may run: its cap,
+or what is left, less a margin). Progress goes to stderr as each step starts and ends; OUT/plan.json records
+each step's exit code, start and seconds, or why it was skipped, with the versions the served points' lines
+carry (bench/point.py: torch, triton, NVIDIA driver, the server source's fingerprint).
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ class LaunchShapes:
     graph_few_deal_max: int = 8  # 0 (no_graph_few_deal_max): up to the graph's bound on busy segments
     graph_few_stacked: int = 8  # 0 (no_graph_few_stacked): the segment kernels at every step
     graph_stacked_held: int = 256  # 0 (no_graph_stacked_held): a stacked graph gathers its rows every step
-    graph_batch_step: int = 64
+    graph_batch_step: int = 64  # rows between decode graphs' batch sizes past 256
     expand_rank_whole: bool = False
     expand_registers: int = 56  # 0 (no_expand_registers): the compiler's choice
 

@@ -193,7 +193,6 @@ class DecodeGraphs:
         # request. The engine counts them into its step counters (step_stats.py).
         self.live_captures = 0
         self.live_capture_s = 0.0
-        self._warming = False
 
     def supports(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
@@ -252,27 +251,23 @@ class DecodeGraphs:
         load costs its capture and the kernel compiles of its shapes, about a second each, in a step every
         running request waits for. Returns how many graphs were captured."""
         done = 0
-        self._warming = True
-        try:
-            for key in capture_plan(self.batch_buckets, self.rank_buckets, self.context_buckets(max_context),
-                                    self.few_adapters, self.warm_groups):
-                if time.monotonic() >= deadline:
-                    break
-                if key not in self.graphs:
-                    self._graph(*key)
-                    done += 1
-        finally:
-            self._warming = False
+        for key in capture_plan(self.batch_buckets, self.rank_buckets, self.context_buckets(max_context),
+                                self.few_adapters, self.warm_groups):
+            if time.monotonic() >= deadline:
+                break
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+                done += 1
         return done
 
     def _graph(self, size: int, rank: int, ctx: int, few: "bool | StackPlan", groups: tuple[bool, ...]) -> torch.cuda.CUDAGraph:
+        """The step's graph, captured now if warm-up did not (counted: a capture under load)."""
         key = (size, rank, ctx, few, groups)
         if key not in self.graphs:
             started = time.perf_counter()
             self.graphs[key] = self._capture(*key)
-            if not self._warming:
-                self.live_captures += 1
-                self.live_capture_s += time.perf_counter() - started
+            self.live_captures += 1
+            self.live_capture_s += time.perf_counter() - started
         return self.graphs[key]
 
     def run(self, seqs: list[Sequence], device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -281,13 +276,13 @@ class DecodeGraphs:
         `device_tokens` = (ids, rows): the first len(rows) requests' input tokens are `ids[rows]`, sampled on
         the device by the step before and not yet known to the host (lookahead.py)."""
         n = len(seqs)
-        size = bucket(n, self.batch_buckets)
+        shapes = launch_shapes()
+        size = bucket(n, batch_buckets(self.max_batch, shapes.graph_batch_step))
         adapter_ids = [s.adapter.resident_id if s.adapter is not None else None for s in seqs]
         ranks = step_ranks([s.adapter.ranks for s in seqs if s.adapter is not None])
         top = max(ranks)
         rank = bucket(top, self.rank_buckets) if top else 0
         few = bool(rank and self.few_adapters) and busy_segments(adapter_ids, size) <= self.few_adapters
-        shapes = launch_shapes()
         if rank and shapes.graph_few_stacked and self.stacks is not None:  # no scan of the adapters while off
             residents = step_residents(seqs)
             plan = stacked_plan(residents, shapes.graph_few_stacked, shapes.graph_stacked_held)

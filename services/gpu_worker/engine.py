@@ -36,7 +36,7 @@ from .pool import UnifiedPool
 from .requests import EngineRequest, RequestOutput, Sequence, StepInFlight
 from .resident_adapters import ResidentAdapters
 from .sampling import GreedyTokens, finish_sampling
-from .step_stats import HELD_BACK_REASONS, StepStats, gpu_seconds, step_kind
+from .step_stats import HELD_BACK_REASONS, StepStats, step_gpu_seconds, step_kind
 from .weights import ModelWeights, dummy_weights, load_weights
 
 log = get_logger(__name__)
@@ -382,7 +382,7 @@ class Engine:
                                    ahead=flight.ahead, adapters=flight.adapters, adapter_bytes=flight.adapter_bytes,
                                    decode_keys=flight.decode_keys, prompt_pairs=flight.prompt_pairs,
                                    sampled=len(flight.samplers), captures=flight.captures,
-                                   capture_s=flight.capture_s, gpu_s=gpu_seconds(flight))
+                                   capture_s=flight.capture_s, gpu_s=step_gpu_seconds(flight))
         for seq in flight.dropped:
             self._release_slots(seq)
         self._ahead = ahead

@@ -91,7 +91,7 @@ class StepStats:
         self.last_end = max(self.last_end, now)
 
 
-def gpu_seconds(flight) -> float | None:
+def step_gpu_seconds(flight) -> float | None:
     """The GPU's time for a finished step from its timing events (None without them, or while its last event
     has not passed: a step whose requests all stop mid-prompt is not waited for)."""
     if flight.gpu_events is None:

@@ -7,7 +7,7 @@ from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
 from services.gpu_worker.requests import StepInFlight
-from services.gpu_worker.step_stats import STEP_KINDS, StepStats, gpu_seconds, step_kind
+from services.gpu_worker.step_stats import STEP_KINDS, StepStats, step_gpu_seconds, step_kind
 from shared.config import EngineConfig
 from shared.tiny_model import make_model
 
@@ -44,7 +44,7 @@ def test_a_step_launched_ahead_counts_from_the_end_of_the_step_before():
 
 
 class _Event:
-    """A CUDA timing event's two calls gpu_seconds makes (elapsed_time in ms), for the CPU."""
+    """A CUDA timing event's two calls step_gpu_seconds makes (elapsed_time in ms), for the CPU."""
 
     def __init__(self, at_ms: float, passed: bool = True):
         self.at_ms, self.passed = at_ms, passed
@@ -61,11 +61,11 @@ def test_gpu_time_is_summed_over_the_steps_timed_and_others_are_left_out():
         return StepInFlight([], gpu_events=events)
 
     timed, pending = flight((_Event(5.0), _Event(27.5))), flight((_Event(0.0), _Event(9.0, passed=False)))
-    assert gpu_seconds(timed) == pytest.approx(0.0225) and gpu_seconds(pending) is None
-    assert gpu_seconds(flight(None)) is None  # the CPU: no events
+    assert step_gpu_seconds(timed) == pytest.approx(0.0225) and step_gpu_seconds(pending) is None
+    assert step_gpu_seconds(flight(None)) is None  # the CPU: no events
     stats = StepStats()
-    stats.record("graph", started=0.0, tokens=8, now=0.030, gpu_s=gpu_seconds(timed))
-    stats.record("graph", started=0.030, tokens=8, now=0.060, gpu_s=gpu_seconds(pending))
+    stats.record("graph", started=0.0, tokens=8, now=0.030, gpu_s=step_gpu_seconds(timed))
+    stats.record("graph", started=0.030, tokens=8, now=0.060, gpu_s=step_gpu_seconds(pending))
     stats.record("prefill", started=0.060, tokens=80, now=0.160)
     assert stats.steps["graph"] == 2 and stats.gpu_steps == {"graph": 1, "decode": 0, "prefill": 0}
     assert stats.gpu_seconds["graph"] == pytest.approx(0.0225) and stats.gpu_seconds["prefill"] == 0.0
