@@ -181,15 +181,28 @@ def steps_against_floors(line: dict) -> str:
     parts = [f"{name} steps {s['mean_ms']:.1f} ms ({s['share']:.0%} of step time) at {s['of_floor']:.2f} of their "
              f"{s['floor_ms']:.1f} ms floor" + _gpu_part(s) + _captured(s) for name, s in ran]
     at_floors = sum(s["share"] * s["of_floor"] for _, s in ran)
-    return (", ".join(parts) + f"; the same steps at their floors: {line['throughput_rps'] / at_floors:.1f} req/s")
+    return (", ".join(parts) + _idle_part([s for _, s in ran])
+            + f"; the same steps at their floors: {line['throughput_rps'] / at_floors:.1f} req/s")
 
 
 def _gpu_part(s: dict) -> str:
-    """The GPU's own time of a mean step, first kernel to last (lines from 2026-12-06 10:30 on): the rest of the
-    step the stream sat idle between steps."""
+    """The GPU's own time of a mean step, first kernel to last (lines from 2026-12-06 10:30 on). Kind by kind it
+    is not the step's time less the stream's idle time: a step launched ahead whose kernels the host issues
+    slowly is charged that time in its own GPU interval, and in the wall time of the step before it, whose tokens
+    the host reads only once it has issued them (_idle_part)."""
     if not s.get("gpu_ms"):
         return ""
     return f", the GPU running {s['gpu_ms']:.1f} ms of each"
+
+
+def _idle_part(ran: list[dict]) -> str:
+    """The share of step time the stream sat idle, every kind's GPU intervals against every kind's steps: the
+    intervals of consecutive steps tile the stream's busy time, whichever step each slow launch is charged to."""
+    if not all(s.get("gpu_ms") for s in ran):
+        return ""
+    wall = sum(s["steps"] * s["mean_ms"] for s in ran)
+    busy = sum(s["steps"] * s["gpu_ms"] for s in ran)
+    return f"; the stream idle {max(0.0, 1 - busy / wall):.0%} of step time"
 
 
 def _captured(s: dict) -> str:
