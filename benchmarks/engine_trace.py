@@ -11,6 +11,9 @@ in a process of their own, as a sweep measures them before its stacks), to set b
 
     python benchmarks/engine_trace.py --adapters 100 --seconds 40 --out trace.json
 
+`kernel_builds_window` counts the Triton kernel variants built inside the window, by kernel, with their seconds
+(benchmarks/kernel_builds.py): a build stalls the host issuing a step while the GPU waits.
+
 `--profile-steps N --profile-out FILE` then runs N more steps under the torch profiler and writes their GPU
 kernels as a table: a served step's kernels at the trace's own rows, contexts and adapters (the graphs' padding
 rows, a context bucket over mixed lengths, admission steps between decode steps), to set beside
@@ -34,6 +37,7 @@ from bench.driver import measure_ceilings_apart
 from bench.roofline import Ceilings
 from bench.settings import ATTENTION, get_setting
 from bench.step_floor import setting_of, window_steps, with_floors
+from benchmarks.kernel_builds import KernelBuilds
 from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.requests import EngineRequest
@@ -101,6 +105,8 @@ def main() -> int:
     # queue in admission rounds; measure once --warmup seconds have passed and the batch has been full once
     # (or after four times --warmup, where the pool bounds the batch), so a large --max-running measures its
     # steady state rather than its ramp.
+    builds = KernelBuilds()
+    builds.install()
     steps = {"graph": [], "eager": []}
     launches = {"graph": [], "eager": []}
     done, out_tokens = 0, 0
@@ -119,6 +125,7 @@ def main() -> int:
         if t0 is None and s0 >= warm_until and (filled or s0 >= give_up_filling):
             t0 = s0
             counted_from = copy.deepcopy(engine.step_stats)  # its counters when the window opened
+            built_before = builds.snapshot()
         if t0 is not None:
             kind = "graph" if flight.replayed else "eager"
             steps[kind].append(dt)
@@ -148,6 +155,9 @@ def main() -> int:
               "lookahead_steps": engine.lookahead_steps, "admission_steps": engine.admission_steps,
               "admissions_ahead": engine.admissions_ahead, "places_taken_ahead": engine.places_taken_ahead,
               "held_back": dict(engine.held_back),  # steps not launched ahead, by why (Engine.held_back)
+              # Triton kernel variants built inside the window (compiled or read from the disk cache), and in
+              # all: None where Triton has no build hooks; none under the CPU interpreter.
+              "kernel_builds_window": builds.summary(built_before), "kernel_builds": builds.summary(),
               "config": {k: v for k, v in extra.items() if v != getattr(EngineConfig, k)}}
     setting = get_setting("tiny") if args.smoke else setting_of(args.model)
     dtype_bytes = 4 if args.smoke else 2

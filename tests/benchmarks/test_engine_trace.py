@@ -31,6 +31,9 @@ def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
     assert ran["decode"]["decode_keys"] > ran["decode"]["tokens"] == ran["decode"]["sampled"]
     assert ran["decode"]["adapter_bytes"] > 0
     assert 1 <= ran["decode"]["adapters_mean"] <= 3
+    # Kernel builds are watched; under the CPU interpreter nothing is built.
+    assert result["kernel_builds"] == {"builds": 0, "seconds": 0, "by_kernel": {}}
+    assert result["kernel_builds_window"]["builds"] == 0
     # The profiled steps wrote their table: the steps' own operations, on the CPU.
     profiled = result["profiled"]
     assert sum(profiled["steps"].values()) == 4 and profiled["wall_ms_a_step"] > 0
