@@ -196,8 +196,9 @@ def _gpu_part(s: dict) -> str:
 
 
 def _idle_part(ran: list[dict]) -> str:
-    """The share of step time the stream sat idle, every kind's GPU intervals against every kind's steps: the
-    intervals of consecutive steps tile the stream's busy time, whichever step each slow launch is charged to."""
+    """The share of step time the stream sat idle between steps (from one step's last kernel to the next one's
+    first), every kind's GPU intervals against every kind's steps, whichever kind each slow launch is charged
+    to. A wait on the host inside a step's interval is not in it."""
     if not all(s.get("gpu_ms") for s in ran):
         return ""
     wall = sum(s["steps"] * s["mean_ms"] for s in ran)

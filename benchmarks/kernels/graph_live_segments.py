@@ -156,6 +156,8 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
     longest_run = max(runs)
     exact = kernels.group_tokens_by_adapter(token_adapter, num_distinct=distinct, count_live=True,
                                             num_chunks=chunk_count(runs))
+    # Only a GPU times the plans; the CPU interpreter (smoke runs) would just run each kernel twice more.
+    timed = torch.device(device).type == "cuda"
     rows, deltas = [], {}
     for text in plans:
         plan = Plan.parse(text)
@@ -205,8 +207,6 @@ def measure(model: str, group: str, batch: int, distinct: int, plans=PLANS, n_ad
         kernels.lora_expand(y0, pool.v(0), token_adapter, pool.tables, modules, checked, out_dims, config=cfg_e,
                             **hints)
         deltas[text] = checked.float()
-        # Only a GPU times the plans; the CPU interpreter (smoke runs) would just run each kernel twice more.
-        timed = torch.device(device).type == "cuda"
         if timed:
             shrink()  # expand's input, before expand is timed
         row = {"model": model, "group": group, "batch": batch, "distinct_adapters": distinct, "plan": text,
