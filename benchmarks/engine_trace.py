@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 from dataclasses import fields
@@ -67,10 +70,15 @@ def main() -> int:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after the window, this many steps under the torch profiler (0: none)")
     p.add_argument("--profile-out", default="", help="where the profiled steps' kernel table goes")
+    p.add_argument("--host-profile-steps", type=int, default=0,
+                   help="after the window, this many steps under cProfile: where the host's time goes (0: none)")
+    p.add_argument("--host-profile-out", default="", help="where the host profile's table goes")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few seconds: checks the script runs")
     args = p.parse_args()
     if args.profile_steps and not args.profile_out:
         p.error("--profile-steps needs --profile-out")
+    if args.host_profile_steps and not args.host_profile_out:
+        p.error("--host-profile-steps needs --host-profile-out")
     if args.smoke:  # the tiny test model's shapes on q,k,v,o, as the `tiny` setting
         cfg, targets, device, dtype = ModelConfig.from_hf(hf_config("tiny", VOCAB_SIZE)), ATTENTION, "cpu", "float32"
         args.ranks, args.max_running, args.max_batched_tokens = "8,4", min(args.max_running, 8), 256
@@ -162,12 +170,47 @@ def main() -> int:
     setting = get_setting("tiny") if args.smoke else setting_of(args.model)
     dtype_bytes = 4 if args.smoke else 2
     result.update(steps=with_floors(window, setting, ceilings, dtype_bytes), ceilings=ceilings.as_dict())
+    if args.host_profile_steps:
+        result["host_profiled"] = host_profile_steps(engine, args.host_profile_steps, args.host_profile_out)
     if args.profile_steps:
         result["profiled"] = profile_steps(engine, args.profile_steps, args.profile_out)
     print(json.dumps(result), flush=True)
     with open(args.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     return 0
+
+
+def host_profile_steps(engine: Engine, n: int, out: str) -> dict:
+    """Run up to `n` steps under cProfile and write the host's functions by their own and cumulative time to
+    `out`. A step whose GPU interval is far past its floor while the stream never idles (gpu_ms against
+    floor_ms) waits on the host issuing it: this names the host work, and a synchronizing call shows up as a
+    torch method's own time. Returns the steps by kind and the host's milliseconds a step."""
+    kinds = {"graph": 0, "eager": 0}
+    host_s = {"graph": 0.0, "eager": 0.0}
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    while engine.has_unfinished() and sum(kinds.values()) < n:
+        s0 = time.perf_counter()
+        flight = engine.launch_step()
+        engine.finish_step(flight)
+        kind = "graph" if flight.replayed else "eager"
+        kinds[kind] += 1
+        host_s[kind] += time.perf_counter() - s0
+    profiler.disable()
+    wall = time.perf_counter() - t0
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    for order in ("tottime", "cumulative"):
+        text.write(f"\n==== by {order} ====\n")
+        stats.sort_stats(order).print_stats(40)
+    steps = sum(kinds.values())
+    with open(out, "w") as f:
+        f.write(f"{steps} steps ({kinds['graph']} graph, {kinds['eager']} eager), {wall * 1e3 / max(steps, 1):.2f} ms "
+                f"a step under cProfile\n{text.getvalue()}")
+    return {"steps": kinds, "wall_ms_a_step": wall * 1e3 / max(steps, 1),
+            "ms_a_step": {k: round(host_s[k] * 1e3 / kinds[k], 3) if kinds[k] else None for k in kinds},
+            "table": out}
 
 
 def profile_steps(engine: Engine, n: int, out: str) -> dict:

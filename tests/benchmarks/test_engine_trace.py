@@ -1,5 +1,5 @@
 """The engine-alone trace runs end to end on the CPU (tiny model), gives its window's steps their floors and
-profiles steps after it."""
+profiles steps after it, on the GPU and on the host."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,8 @@ def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
     table = tmp_path / "profile.txt"  # then 4 more steps profiled after the window
     proc = subprocess.run([sys.executable, "benchmarks/engine_trace.py", "--smoke", "--adapters", "3", "--requests",
                            "600", "--seconds", "2", "--warmup", "1", "--out", str(out), "--profile-steps", "4",
-                           "--profile-out", str(table)],
+                           "--profile-out", str(table), "--host-profile-steps", "3", "--host-profile-out",
+                           str(tmp_path / "host.txt")],
                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text().splitlines()[-1])
@@ -39,6 +40,12 @@ def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
     assert sum(profiled["steps"].values()) == 4 and profiled["wall_ms_a_step"] > 0
     text = table.read_text()
     assert text.startswith("4 steps (0 graph, 4 eager)") and "aten::mm" in text
+    # Then 3 steps under cProfile: the host's functions, the engine's step among them, by own and total time.
+    host = result["host_profiled"]
+    assert host["steps"] == {"graph": 0, "eager": 3} and host["ms_a_step"]["eager"] > 0
+    text = (tmp_path / "host.txt").read_text()
+    assert text.startswith("3 steps (0 graph, 3 eager)") and "finish_step" in text
+    assert "by tottime" in text and "by cumulative" in text
 
 
 
