@@ -154,6 +154,8 @@ STEP_COUNTERS = (("steps", "loraplex_worker_steps_total"), ("seconds", "loraplex
                  ("sampled", "loraplex_worker_step_sampled_total"),
                  ("captures", "loraplex_worker_step_graph_captures_total"),
                  ("capture_seconds", "loraplex_worker_step_graph_capture_seconds_total"),
+                 ("builds", "loraplex_worker_step_kernel_builds_total"),
+                 ("build_seconds", "loraplex_worker_step_kernel_build_seconds_total"),
                  ("gpu_seconds", "loraplex_worker_step_gpu_seconds_total"),
                  ("gpu_steps", "loraplex_worker_steps_gpu_timed_total"))
 # Of those, the totals a kind's floor needs (bench/step_floor.py), recorded as they are.
@@ -419,6 +421,12 @@ class ServerSampler:
                                       if self.step_counters["captures", kind].last else None),
                          "capture_s": (round(totals["capture_seconds", kind], 3)
                                        if self.step_counters["capture_seconds", kind].last else None),
+                         # Triton kernel variants built while the steps were issued, and the host's seconds
+                         # in them (None: not reported): compiles under load, outside any floor.
+                         "builds": (round(totals["builds", kind])
+                                    if self.step_counters["builds", kind].last else None),
+                         "build_s": (round(totals["build_seconds", kind], 3)
+                                     if self.step_counters["build_seconds", kind].last else None),
                          # The GPU's own time of a mean timed step, first kernel to last (None: no step timed,
                          # as on the CPU); mean_ms less it is the stream's idle time between steps.
                          "gpu_ms": (round(1e3 * totals["gpu_seconds", kind] / totals["gpu_steps", kind], 3)

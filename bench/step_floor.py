@@ -74,6 +74,9 @@ def window_steps(before, after) -> dict:
                      # Graphs captured at first use inside the window's steps, and the host's seconds in them.
                      "captures": after.captures[kind] - before.captures[kind],
                      "capture_s": after.capture_seconds[kind] - before.capture_seconds[kind],
+                     # Triton kernel variants built while the window's steps were issued, and their seconds.
+                     "builds": after.builds[kind] - before.builds[kind],
+                     "build_s": after.build_seconds[kind] - before.build_seconds[kind],
                      "gpu_ms": _gpu_ms(before, after, kind)}
     return out
 

@@ -207,11 +207,14 @@ def _idle_part(ran: list[dict]) -> str:
 
 
 def _captured(s: dict) -> str:
-    """Graphs those steps captured under load (lines from 2026-12-06 10:00 on carry them), when any did: their
-    seconds are inside the steps' time, outside any floor."""
-    if not s.get("captures"):
-        return ""
-    return f" ({s['captures']} graphs captured under load in them, {s['capture_s']:.1f} s)"
+    """Graphs those steps captured under load (lines from 2026-12-06 10:00 on carry them) and kernels built
+    while they were issued, when any were: their seconds are inside the steps' time, outside any floor."""
+    said = []
+    if s.get("captures"):
+        said.append(f"{s['captures']} graphs captured under load in them, {s['capture_s']:.1f} s")
+    if s.get("builds"):  # lines from 2026-12-06 17:00 on carry them
+        said.append(f"{s['builds']} kernels built under load in them, {s['build_s']:.1f} s")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def roofline_fractions(points: dict) -> Verdict:

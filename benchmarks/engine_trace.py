@@ -12,7 +12,8 @@ in a process of their own, as a sweep measures them before its stacks), to set b
     python benchmarks/engine_trace.py --adapters 100 --seconds 40 --out trace.json
 
 `kernel_builds_window` counts the Triton kernel variants built inside the window, by kernel, with their seconds
-(benchmarks/kernel_builds.py): a build stalls the host issuing a step while the GPU waits.
+with the first variants of each (services/gpu_worker/kernel_builds.py): a build stalls the host issuing a step
+while the GPU waits. `steps` gives them by kind too (`builds`, `build_s`).
 
 `--profile-steps N --profile-out FILE` then runs N more steps under the torch profiler and writes their GPU
 kernels as a table: a served step's kernels at the trace's own rows, contexts and adapters (the graphs' padding
@@ -40,9 +41,9 @@ from bench.driver import measure_ceilings_apart
 from bench.roofline import Ceilings
 from bench.settings import ATTENTION, get_setting
 from bench.step_floor import setting_of, window_steps, with_floors
-from benchmarks.kernel_builds import KernelBuilds
 from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
 from services.gpu_worker.engine import Engine
+from services.gpu_worker.kernel_builds import watch_builds
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
 from shared.config import EngineConfig, add_config_arguments
@@ -95,8 +96,7 @@ def main() -> int:
     # copy ceiling read 3.79 TB/s on the H200 where sweeps read 4.09-4.20 before their stacks (2026-12-05), so
     # floors here and in served lines were read at different rates.
     ceilings = Ceilings(**measure_ceilings_apart(device))
-    builds = KernelBuilds()  # before the engine, so that `kernel_builds` holds warm-up's builds too
-    builds.install()
+    builds = watch_builds()  # the engine's own watcher, whose counts hold its warm-up's builds too
     engine = Engine.with_dummy_weights(cfg, config)
     rng = np.random.default_rng(0)
     names = []

@@ -198,6 +198,9 @@ class WorkerStatus(Message):
     # Decode graphs captured at first use inside the steps, and the host's seconds in them (step_stats.py).
     step_captures: dict[str, int] = field(default_factory=dict)
     step_capture_seconds: dict[str, float] = field(default_factory=dict)
+    # Triton kernel variants built while the steps were issued, and the host's seconds in them (step_stats.py).
+    step_builds: dict[str, int] = field(default_factory=dict)
+    step_build_seconds: dict[str, float] = field(default_factory=dict)
     # The GPU's time from timed steps' first kernel to their last, and how many were timed (CUDA only).
     step_gpu_seconds: dict[str, float] = field(default_factory=dict)
     step_gpu_counts: dict[str, int] = field(default_factory=dict)

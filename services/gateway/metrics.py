@@ -53,6 +53,8 @@ class SchedulerCollector:
         step_sampled = CounterMetricFamily("loraplex_worker_step_sampled", "Rows whose logits engine steps computed, by kind", labels=["worker", "kind"])
         step_captures = CounterMetricFamily("loraplex_worker_step_graph_captures", "Decode graphs captured at first use inside engine steps (not at warm-up), by kind", labels=["worker", "kind"])
         step_capture_seconds = CounterMetricFamily("loraplex_worker_step_graph_capture_seconds", "Host seconds of decode graphs captured at first use inside engine steps, kernel compiles included, by kind", labels=["worker", "kind"])
+        step_builds = CounterMetricFamily("loraplex_worker_step_kernel_builds", "Triton kernel variants built while engine steps were issued (under load, not at warm-up), by kind", labels=["worker", "kind"])
+        step_build_seconds = CounterMetricFamily("loraplex_worker_step_kernel_build_seconds", "Host seconds of Triton kernel variants built while engine steps were issued, by kind", labels=["worker", "kind"])
         step_gpu_seconds = CounterMetricFamily("loraplex_worker_step_gpu_seconds", "GPU seconds from engine steps' first kernel to their last (CUDA timing events), summed over the steps timed, by kind", labels=["worker", "kind"])
         step_gpu_counts = CounterMetricFamily("loraplex_worker_steps_gpu_timed", "Engine steps timed on the GPU, by kind", labels=["worker", "kind"])
         step_launch = CounterMetricFamily("loraplex_worker_step_launch_seconds", "Seconds of engine steps from their scheduling until their last kernel was launched (the host's part), by kind", labels=["worker", "kind"])
@@ -74,6 +76,7 @@ class SchedulerCollector:
                                    (step_prompt_pairs, status.step_prompt_pairs), (step_sampled, status.step_sampled),
                                    (step_captures, status.step_captures),
                                    (step_capture_seconds, status.step_capture_seconds),
+                                   (step_builds, status.step_builds), (step_build_seconds, status.step_build_seconds),
                                    (step_gpu_seconds, status.step_gpu_seconds), (step_gpu_counts, status.step_gpu_counts)):
                 for kind, value in sorted(values.items()):
                     family.add_metric([worker_id, kind], value)
@@ -81,7 +84,8 @@ class SchedulerCollector:
                 held_back.add_metric([worker_id, reason], value)
         yield from (running, waiting, slots, loads, load_bytes, preemptions, steps, step_seconds, step_tokens,
                     step_launch, step_ahead, step_adapters, step_adapter_bytes, step_decode_keys, step_prompt_pairs,
-                    step_sampled, step_captures, step_capture_seconds, step_gpu_seconds, step_gpu_counts, held_back)
+                    step_sampled, step_captures, step_capture_seconds, step_builds, step_build_seconds,
+                    step_gpu_seconds, step_gpu_counts, held_back)
         tiers = GaugeMetricFamily("loraplex_adapters_resident", "Adapters held per tier (gpu pool, host arena, disk)", labels=["tier"])
         for tier, n in self.adapter_tiers().items():
             tiers.add_metric([tier], n)

@@ -26,6 +26,7 @@ from .batch_builder import build_batch
 from .cuda_graphs import LORA_GROUPS, DecodeGraphs, groups_of_modules
 from .graph_stacks import GraphStacks
 from .held_stacks import HeldStacks, held_bytes
+from .kernel_builds import watch_builds
 from .kernels.launch_shapes import launch_shapes, set_launch_shapes
 from .lookahead import PENDING_TOKEN, ending_by_length, lookahead_rows, unfinished_prompts
 from .merge_mode import MergeMode
@@ -93,6 +94,7 @@ class Engine:
         self._order = 0
         self.num_preemptions = 0
         self.step_stats = StepStats()  # steps, seconds and tokens by kind of step (step_stats.py)
+        self.kernel_builds = watch_builds()  # kernels built under load, counted in the steps that met them
         self.admission_steps = 0  # steps that admitted waiting requests, launched ahead or not
         self.admissions_ahead = 0  # of those, steps launched ahead (overlap_admission)
         self.places_taken_ahead = 0  # requests ending by length whose places such a step took early
@@ -219,6 +221,7 @@ class Engine:
         if not scheduled:
             return flight
         flight.launched_at = flight.launched_at or time.perf_counter()
+        builds, build_s = self.kernel_builds.total, self.kernel_builds.total_s
         if self.copier is not None:
             self.copier.order_before_compute()
         gpu_start = None
@@ -259,6 +262,8 @@ class Engine:
             gpu_end.record()
             flight.gpu_events = (gpu_start, gpu_end)
         flight.launch_done_at = time.perf_counter()
+        flight.builds = self.kernel_builds.total - builds
+        flight.build_s = self.kernel_builds.total_s - build_s
         # Counted once the kernels are queued: the GPU is busy meanwhile.
         flight.adapters, flight.adapter_bytes = self.adapters.rows_read({seq.req.adapter for seq, _ in scheduled})
         self._in_flight = flight
@@ -382,7 +387,8 @@ class Engine:
                                    ahead=flight.ahead, adapters=flight.adapters, adapter_bytes=flight.adapter_bytes,
                                    decode_keys=flight.decode_keys, prompt_pairs=flight.prompt_pairs,
                                    sampled=len(flight.samplers), captures=flight.captures,
-                                   capture_s=flight.capture_s, gpu_s=step_gpu_seconds(flight))
+                                   capture_s=flight.capture_s, builds=flight.builds, build_s=flight.build_s,
+                                   gpu_s=step_gpu_seconds(flight))
         for seq in flight.dropped:
             self._release_slots(seq)
         self._ahead = ahead

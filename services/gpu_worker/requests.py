@@ -87,6 +87,8 @@ class StepInFlight:
     launch_done_at: float = 0.0  # time.perf_counter() once its last kernel was launched
     captures: int = 0  # decode graphs it captured at first use (cuda_graphs.DecodeGraphs.live_captures)
     capture_s: float = 0.0  # the host's seconds in those captures
+    builds: int = 0  # Triton kernel variants built while its kernels were issued (kernel_builds.py)
+    build_s: float = 0.0  # the host's seconds in those builds
     # CUDA events recorded on the stream before its first kernel and after its last (timing events, CUDA only):
     # the GPU's time from the step's start to its end, waits for the host inside the step included.
     gpu_events: tuple | None = None

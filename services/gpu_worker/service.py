@@ -219,6 +219,7 @@ class WorkerService:
             status.step_decode_keys, status.step_prompt_pairs = dict(stats.decode_keys), dict(stats.prompt_pairs)
             status.step_sampled = dict(stats.sampled)
             status.step_captures, status.step_capture_seconds = dict(stats.captures), dict(stats.capture_seconds)
+            status.step_builds, status.step_build_seconds = dict(stats.builds), dict(stats.build_seconds)
             status.step_gpu_seconds, status.step_gpu_counts = dict(stats.gpu_seconds), dict(stats.gpu_steps)
         status.steps_held_back = dict(cap.get("held_back", {}))
         self._send(status)

@@ -23,7 +23,9 @@ keys its prompt chunks' tokens attend (their attention is causal matmuls: FLOPs)
 logits it computed. With `tokens` and `adapter_bytes` they are what a kind's floor needs, each operation at
 the ceiling that binds it (bench/step_floor.py). `captures` counts the decode graphs a step captured at first
 use (under load, not at warm-up) and `capture_seconds` the host's time in them, kernel compiles included: time
-inside the step's seconds that no floor accounts for. `gpu_seconds` sums, over the `gpu_steps` timed, the
+inside the step's seconds that no floor accounts for. `builds` counts the Triton kernel variants built while a
+step's kernels were issued (kernel_builds.py; in a capture too) and `build_seconds` the host's time in them: a
+variant warm-up did not reach, compiled under load while the GPU waits. `gpu_seconds` sums, over the `gpu_steps` timed, the
 GPU's own time from a step's first kernel to its last (CUDA timing events on the stream, waits for the host
 inside the step included): a kind's seconds less its GPU seconds is the time its steps' stream sat idle between
 steps, waiting on the host.
@@ -56,6 +58,8 @@ class StepStats:
     sampled: dict[str, int] = _zeros(int)  # rows whose logits the steps computed
     captures: dict[str, int] = _zeros(int)  # decode graphs captured at first use, inside the steps
     capture_seconds: dict[str, float] = _zeros(float)  # the host's seconds in those captures
+    builds: dict[str, int] = _zeros(int)  # Triton kernel variants built while the steps were issued
+    build_seconds: dict[str, float] = _zeros(float)  # the host's seconds in those builds
     gpu_seconds: dict[str, float] = _zeros(float)  # the GPU's time from each timed step's start to its end
     gpu_steps: dict[str, int] = _zeros(int)  # the steps timed on the GPU (CUDA, their tokens read back)
     last_end: float = float("-inf")  # when the last recorded step's tokens reached the host
@@ -63,11 +67,11 @@ class StepStats:
     def record(self, kind: str, started: float, tokens: int, now: float | None = None,
                launched: float | None = None, ahead: bool = False, adapters: int = 0, adapter_bytes: int = 0,
                decode_keys: int = 0, prompt_pairs: int = 0, sampled: int = 0, captures: int = 0,
-               capture_s: float = 0.0, gpu_s: float | None = None) -> None:
+               capture_s: float = 0.0, builds: int = 0, build_s: float = 0.0, gpu_s: float | None = None) -> None:
         """One finished step of `kind`, begun at `started` and launched by `launched` (time.perf_counter);
         `ahead`: launched before the step before it had ended (overlap_steps); `adapters`: distinct adapters
         whose rows it read, `adapter_bytes` of rows; `decode_keys`, `prompt_pairs`, `sampled`, `captures`,
-        `capture_s`, `gpu_s` (None: not timed on the GPU): module doc."""
+        `capture_s`, `builds`, `build_s`, `gpu_s` (None: not timed on the GPU): module doc."""
         if kind not in self.steps:
             raise ValueError(f"unknown step kind {kind!r}; kinds are {', '.join(STEP_KINDS)}")
         now = time.perf_counter() if now is None else now
@@ -83,6 +87,8 @@ class StepStats:
         self.sampled[kind] += sampled
         self.captures[kind] += captures
         self.capture_seconds[kind] += capture_s
+        self.builds[kind] += builds
+        self.build_seconds[kind] += build_s
         if gpu_s is not None:
             self.gpu_seconds[kind] += gpu_s
             self.gpu_steps[kind] += 1

@@ -178,6 +178,7 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
                             ("prompt_pairs", "loraplex_worker_step_prompt_pairs_total"),
                             ("sampled", "loraplex_worker_step_sampled_total"),
                             ("captures", "loraplex_worker_step_graph_captures_total"),
+                            ("builds", "loraplex_worker_step_kernel_builds_total"),
                             ("adapter_bytes", "loraplex_worker_step_adapter_bytes_total")):
             rise = metric(after, name, worker="worker-0", kind=kind) - metric(before, name, worker="worker-0", kind=kind)
             assert steps[kind][field] == rise, (kind, field)
@@ -196,6 +197,8 @@ def test_sampler_on_a_live_stack(core_stack, tmp_path):
     assert steps["prefill"]["steps"] >= 1 and steps["decode"]["steps"] >= 1 and steps["graph"]["steps"] == 0
     # No graphs on the CPU, so none captured under load; reported all the same (a zero, not None).
     assert all(steps[kind]["captures"] == 0 and steps[kind]["capture_s"] == 0.0 for kind in steps)
+    # Nor kernels built under load: the CPU's interpreter builds none; reported all the same.
+    assert all(steps[kind]["builds"] == 0 and steps[kind]["build_s"] == 0.0 for kind in steps)
     # Nor GPU timing events: no step timed, no GPU time (None rather than a zero that would read as idle).
     assert all(steps[kind]["gpu_ms"] is None for kind in steps)
     # Steps not launched ahead, by why: the server's counters' rise, every reason reported.

@@ -65,11 +65,15 @@ def test_an_engines_steps_between_two_readings_are_recorded_as_a_points():
     for i in range(4):
         stats.record("decode", started=1.0 + i, tokens=8, now=1.02 + i, decode_keys=8 * 200, sampled=8,
                      adapters=3 + i % 2, adapter_bytes=10**6)
-    stats.record("graph", started=5.0, tokens=8, now=5.6, sampled=8, captures=1, capture_s=0.5, gpu_s=0.55)
+    stats.record("graph", started=5.0, tokens=8, now=5.6, sampled=8, captures=1, capture_s=0.5, gpu_s=0.55,
+                 builds=2, build_s=0.3)
     window = window_steps(before, stats)
     # The window's own captures: the one before it is left out.
     assert (window["graph"]["captures"], window["graph"]["capture_s"]) == (1, pytest.approx(0.5))
     assert window["decode"]["captures"] == 0
+    # Kernels built while the window's steps were issued, by kind.
+    assert (window["graph"]["builds"], window["graph"]["build_s"]) == (2, pytest.approx(0.3))
+    assert window["decode"]["builds"] == 0
     # The GPU's time of the window's one timed step; none timed among the decode steps.
     assert window["graph"]["gpu_ms"] == pytest.approx(550.0) and window["decode"]["gpu_ms"] is None
     assert window["prefill"]["steps"] == 0 and window["prefill"]["mean_ms"] is None

@@ -229,7 +229,8 @@ def test_a_missed_point_says_where_its_worker_time_went_against_its_steps_floors
                           "captures": captures, "capture_s": 0.9 * captures, "gpu_ms": 31.2 if captures else None},
                 "decode": {"steps": 0, "mean_ms": None, "share": 0.0},
                 "prefill": {"steps": 280, "mean_ms": 131.1, "share": 1 - graph_share, "floor_ms": 96.0,
-                            "of_floor": prefill_of, "gpu_ms": 140.0 if captures else None}}
+                            "of_floor": prefill_of, "gpu_ms": 140.0 if captures else None,
+                            "builds": 2 if captures else 0, "build_s": 0.7 if captures else 0.0}}
 
     path = write(tmp_path / "s2.jsonl", [
         line("loraplex", 2000, 29.0, 42.3, worker_steps=steps(0.75, 0.8, 0.6)),
@@ -245,13 +246,15 @@ def test_a_missed_point_says_where_its_worker_time_went_against_its_steps_floors
         "38.7 req/s")
     status = v["≥ 60% of the roofline"].status
     # S-GQA n = 100: 0.5 * 0.5 + 0.5 * 0.75 = 0.625 of its step time, 20.0 / 0.625 = 32.0 req/s.
-    # Its graph steps captured three graphs under load: said beside them (S2's captured none: nothing said).
+    # Its graph steps captured three graphs under load and its prefill steps built two kernels: said beside them
+    # (S2's captured and built none: nothing said).
     # Its prefill steps' GPU intervals outlast their wall time (launched ahead, issued slowly): the stream's idle
     # share comes from every kind together, 1 - (3000 * 31.2 + 280 * 140.0) / (3000 * 35.8 + 280 * 131.1) = 8%.
     assert status.endswith("; S-GQA n = 100: decode (graph) steps 35.8 ms (50% of step time) at 0.50 of their "
                            "27.8 ms floor, the GPU running 31.2 ms of each (3 graphs captured under load in them, "
                            "2.7 s), prefill steps 131.1 ms (50% of step time) at 0.75 of their 96.0 ms floor, the "
-                           "GPU running 140.0 ms of each; the stream idle 8% of step time; the same steps at their "
+                           "GPU running 140.0 ms of each (2 kernels built under load in them, 0.7 s); the stream idle 8% of step "
+                           "time; the same steps at their "
                            "floors: 32.0 req/s")
     assert "S-GQA n = 5:" not in status and "S2 n = 5:" not in status
 

@@ -233,6 +233,7 @@ def test_status_counts_the_steps_by_kind(stack):
     assert set(held_back) == {"prompt", "batch", "round", "slots"} and held_back["slots"] == 0, held_back
     # No decode graphs on the CPU: none captured under load, every kind reported.
     assert delta("step_captures") == {kind: 0 for kind in steps}
+    assert delta("step_builds") == {kind: 0 for kind in steps}  # the CPU's interpreter builds no kernel
     assert delta("step_gpu_counts") == {kind: 0 for kind in steps}  # no CUDA timing events either
 
 
