@@ -15,7 +15,7 @@ def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
     # run stops after its two measured seconds whatever is left.
     table = tmp_path / "profile.txt"  # then 4 more steps profiled after the window
     proc = subprocess.run([sys.executable, "benchmarks/engine_trace.py", "--smoke", "--adapters", "3", "--requests",
-                           "600", "--seconds", "2", "--warmup", "1", "--out", str(out), "--profile-steps", "4",
+                           "600", "--seconds", "2", "--warmup", "1", "--out", str(out), "--worker-warmup", "--profile-steps", "4",
                            "--profile-out", str(table), "--host-profile-steps", "3", "--host-profile-out",
                            str(tmp_path / "host.txt")],
                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
@@ -35,6 +35,8 @@ def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
     # Kernel builds are watched; under the CPU interpreter nothing is built.
     assert result["kernel_builds"] == {"builds": 0, "seconds": 0, "by_kernel": {}}
     assert result["kernel_builds_window"]["builds"] == 0
+    # The worker's own warm-up ran first, as before a served worker reports ready.
+    assert result["worker_warmup"]["seconds"] > 0 and result["worker_warmup"]["kernel_builds"]["builds"] == 0
     # The profiled steps wrote their table: the steps' own operations, on the CPU.
     profiled = result["profiled"]
     assert sum(profiled["steps"].values()) == 4 and profiled["wall_ms_a_step"] > 0
