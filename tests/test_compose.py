@@ -68,3 +68,12 @@ def test_dependencies_and_ports():
     assert SERVICES["gateway"]["ports"] == ["8000:8000"]
     store_data = [v for v in SERVICES["adapter_store"]["volumes"] if v.endswith(":/data")]
     assert store_data and store_data[0].split(":")[0] in COMPOSE["volumes"]
+
+
+def test_the_workers_compiled_kernels_live_on_a_named_volume():
+    """Triton's cache directory is on a volume that outlives the container, so a restarted worker finds the
+    kernel variants built before."""
+    worker = SERVICES["gpu_worker"]
+    cache = worker["environment"]["TRITON_CACHE_DIR"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in worker["volumes"]}
+    assert mounts[cache] in COMPOSE["volumes"]
