@@ -53,7 +53,7 @@ class SchedulerCollector:
         step_sampled = CounterMetricFamily("loraplex_worker_step_sampled", "Rows whose logits engine steps computed, by kind", labels=["worker", "kind"])
         step_captures = CounterMetricFamily("loraplex_worker_step_graph_captures", "Decode graphs captured at first use inside engine steps (not at warm-up), by kind", labels=["worker", "kind"])
         step_capture_seconds = CounterMetricFamily("loraplex_worker_step_graph_capture_seconds", "Host seconds of decode graphs captured at first use inside engine steps, kernel compiles included, by kind", labels=["worker", "kind"])
-        step_builds = CounterMetricFamily("loraplex_worker_step_kernel_builds", "Triton kernel variants built while engine steps were issued (under load, not at warm-up), by kind", labels=["worker", "kind"])
+        step_builds = CounterMetricFamily("loraplex_worker_step_kernel_builds", "Triton kernel variants built while engine steps were issued (warm-up's steps included: a window's rise is those built under load), by kind", labels=["worker", "kind"])
         step_build_seconds = CounterMetricFamily("loraplex_worker_step_kernel_build_seconds", "Host seconds of Triton kernel variants built while engine steps were issued, by kind", labels=["worker", "kind"])
         step_gpu_seconds = CounterMetricFamily("loraplex_worker_step_gpu_seconds", "GPU seconds from engine steps' first kernel to their last (CUDA timing events), summed over the steps timed, by kind", labels=["worker", "kind"])
         step_gpu_counts = CounterMetricFamily("loraplex_worker_steps_gpu_timed", "Engine steps timed on the GPU, by kind", labels=["worker", "kind"])
