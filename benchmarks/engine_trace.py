@@ -194,6 +194,17 @@ def main() -> int:
     return 0
 
 
+def run_steps(engine: Engine, n: int):
+    """Up to `n` more steps, each as ("graph" or "eager", its seconds from launch until its tokens are in)."""
+    for _ in range(n):
+        if not engine.has_unfinished():
+            return
+        started = time.perf_counter()
+        flight = engine.launch_step()
+        engine.finish_step(flight)
+        yield ("graph" if flight.replayed else "eager"), time.perf_counter() - started
+
+
 def host_profile_steps(engine: Engine, n: int, out: str) -> dict:
     """Run up to `n` steps under cProfile and write the host's functions by their own and cumulative time to
     `out`. A step whose GPU interval is far past its floor while the stream never idles (gpu_ms against
@@ -204,13 +215,9 @@ def host_profile_steps(engine: Engine, n: int, out: str) -> dict:
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
     profiler.enable()
-    while engine.has_unfinished() and sum(kinds.values()) < n:
-        s0 = time.perf_counter()
-        flight = engine.launch_step()
-        engine.finish_step(flight)
-        kind = "graph" if flight.replayed else "eager"
+    for kind, seconds in run_steps(engine, n):
         kinds[kind] += 1
-        host_s[kind] += time.perf_counter() - s0
+        host_s[kind] += seconds
     profiler.disable()
     wall = time.perf_counter() - t0
     text = io.StringIO()
@@ -220,8 +227,8 @@ def host_profile_steps(engine: Engine, n: int, out: str) -> dict:
         stats.sort_stats(order).print_stats(40)
     steps = sum(kinds.values())
     with open(out, "w") as f:
-        f.write(f"{steps} steps ({kinds['graph']} graph, {kinds['eager']} eager), {wall * 1e3 / max(steps, 1):.2f} ms "
-                f"a step under cProfile\n{text.getvalue()}")
+        f.write(f"{steps} steps ({kinds['graph']} graph, {kinds['eager']} eager), "
+                f"{wall * 1e3 / max(steps, 1):.2f} ms a step under cProfile\n{text.getvalue()}")
     return {"steps": kinds, "wall_ms_a_step": wall * 1e3 / max(steps, 1),
             "ms_a_step": {k: round(host_s[k] * 1e3 / kinds[k], 3) if kinds[k] else None for k in kinds},
             "table": out}
@@ -237,10 +244,8 @@ def profile_steps(engine: Engine, n: int, out: str) -> dict:
     sync()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]) as prof:
-        while engine.has_unfinished() and sum(kinds.values()) < n:
-            flight = engine.launch_step()
-            engine.finish_step(flight)
-            kinds["graph" if flight.replayed else "eager"] += 1
+        for kind, _ in run_steps(engine, n):
+            kinds[kind] += 1
         sync()
     wall = time.perf_counter() - t0
     events = prof.key_averages()

@@ -23,7 +23,8 @@ class KernelBuilds:
     def __init__(self) -> None:
         self.builds: Counter[str] = Counter()
         self.seconds: defaultdict[str, float] = defaultdict(float)
-        self.total = 0  # builds of every kernel
+        # Of every kernel, kept apart from the counters above: the engine reads them around each step it issues.
+        self.total = 0
         self.total_s = 0.0
         self.variants: list[tuple[str, str]] = []  # (kernel, variant) of each build, in order
         self._started: dict[tuple[str, str], float] = {}

@@ -25,10 +25,12 @@ the ceiling that binds it (bench/step_floor.py). `captures` counts the decode gr
 use (under load, not at warm-up) and `capture_seconds` the host's time in them, kernel compiles included: time
 inside the step's seconds that no floor accounts for. `builds` counts the Triton kernel variants built while a
 step's kernels were issued (kernel_builds.py; in a capture too; warm-up's steps build most) and `build_seconds`
-the host's time in them: after warm-up, a variant it did not reach, compiled under load while the GPU waits. `gpu_seconds` sums, over the `gpu_steps` timed, the
-GPU's own time from a step's first kernel to its last (CUDA timing events on the stream, waits for the host
-inside the step included): a kind's seconds less its GPU seconds is the time its steps' stream sat idle between
-steps, waiting on the host.
+the host's time in them: after warm-up, a variant it did not reach, compiled under load while the GPU waits.
+`gpu_seconds` sums, over the `gpu_steps` timed, the GPU's own time from a step's first kernel to its last
+(CUDA timing events on the stream, waits for the host inside the step included). Summed over every kind, the
+steps' seconds less their GPU seconds is the time the stream sat idle between steps; kind by kind it is not, since
+a step launched ahead and issued slowly is charged that time in its own GPU interval and in the wall time of the
+step before it (bench/targets.py, _idle_part).
 """
 from __future__ import annotations
 

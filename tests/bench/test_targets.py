@@ -253,9 +253,8 @@ def test_a_missed_point_says_where_its_worker_time_went_against_its_steps_floors
     assert status.endswith("; S-GQA n = 100: decode (graph) steps 35.8 ms (50% of step time) at 0.50 of their "
                            "27.8 ms floor, the GPU running 31.2 ms of each (3 graphs captured under load in them, "
                            "2.7 s), prefill steps 131.1 ms (50% of step time) at 0.75 of their 96.0 ms floor, the "
-                           "GPU running 140.0 ms of each (2 kernels built under load in them, 0.7 s); the stream idle 8% of step "
-                           "time; the same steps at their "
-                           "floors: 32.0 req/s")
+                           "GPU running 140.0 ms of each (2 kernels built under load in them, 0.7 s); the stream idle 8% "
+                           "of step time; the same steps at their floors: 32.0 req/s")
     assert "S-GQA n = 5:" not in status and "S2 n = 5:" not in status
 
 

@@ -15,7 +15,8 @@ def test_smoke_run_reports_throughput_and_each_kinds_floor(tmp_path):
     # run stops after its two measured seconds whatever is left.
     table = tmp_path / "profile.txt"  # then 4 more steps profiled after the window
     proc = subprocess.run([sys.executable, "benchmarks/engine_trace.py", "--smoke", "--adapters", "3", "--requests",
-                           "600", "--seconds", "2", "--warmup", "1", "--out", str(out), "--worker-warmup", "--profile-steps", "4",
+                           "600", "--seconds", "2", "--warmup", "1", "--out", str(out), "--worker-warmup",
+                           "--profile-steps", "4",
                            "--profile-out", str(table), "--host-profile-steps", "3", "--host-profile-out",
                            str(tmp_path / "host.txt")],
                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)

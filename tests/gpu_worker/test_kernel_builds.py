@@ -49,9 +49,11 @@ def test_builds_are_counted_by_kernel_with_their_seconds_and_the_hooks_put_back(
         assert whole["by_kernel"]["lora_shrink_kernel"]["seconds"] >= 0.04
         window = builds.summary(window_opened)
         assert window["builds"] == 2 and window["by_kernel"]["lora_shrink_kernel"]["builds"] == 1
-        assert 0.02 <= window["by_kernel"]["lora_shrink_kernel"]["seconds"] < whole["by_kernel"]["lora_shrink_kernel"]["seconds"]
+        shrink_s = window["by_kernel"]["lora_shrink_kernel"]["seconds"]
+        assert 0.02 <= shrink_s < whole["by_kernel"]["lora_shrink_kernel"]["seconds"]
         # Each build's variant: Triton's description of the call with its constexprs, the window's own alone.
-        assert window["by_kernel"]["lora_shrink_kernel"]["variants"] == ["lora_shrink_kernel[num_warps=4] constants={(20,): 64}"]
+        assert window["by_kernel"]["lora_shrink_kernel"]["variants"] == [
+            "lora_shrink_kernel[num_warps=4] constants={(20,): 64}"]
         assert len(whole["by_kernel"]["lora_shrink_kernel"]["variants"]) == 2
         assert (builds.total, builds.total_s) == (3, pytest.approx(sum(builds.seconds.values())))
         builds.uninstall()
