@@ -79,7 +79,9 @@ def _expand_token_kernel(
             tl.store(o_row + cols, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=cols < out_dim)
 
 
-@triton.jit(do_not_specialize=["stride_yg", "y_rank", "chunk_tokens", "num_segments", "seg_programs"])
+# stride_items is the chunk-item count of the step (the items table is [2, count]): specialized, its being 1 or a
+# multiple of 16 made two or three variants of each launch shape, built under load as steps met them.
+@triton.jit(do_not_specialize=["stride_yg", "y_rank", "chunk_tokens", "num_segments", "seg_programs", "stride_items"])
 def _expand_segment_kernel(
     y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr, live_ptr,
     items_ptr, stride_items, slots_ptr, stride_slots, ranks_ptr, b_off_ptr,

@@ -109,8 +109,9 @@ def _shrink_token_kernel(
                   stride_og, stride_ot, SPLIT)
 
 
+# stride_items: the step's chunk-item count, not specialized (as in lora_expand's segment kernel).
 @triton.jit(do_not_specialize=["stride_og", "num_tokens", "max_rank", "n_split", "chunk_tokens", "n_r_tiles",
-                               "num_segments", "seg_programs"])
+                               "num_segments", "seg_programs", "stride_items"])
 def _shrink_segment_kernel(
     x_ptr, stride_xt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr, order_ptr, live_ptr,
     items_ptr, stride_items, slots_ptr, stride_slots, ranks_ptr, a_off_ptr,
