@@ -5,8 +5,8 @@ On CUDA the first steps JIT-compile Triton kernels (a variant per specialization
 capture decode graphs: seconds per step, in which the worker cannot send a heartbeat and the scheduler would
 take it for dead, and which a running batch would wait through. Warm-up runs those shapes once: single and
 batched requests, base-only and with a small (rank 8) and a wide (rank 64, or the largest allowed) adapter,
-each alone and mixed, prompts short and past the attention split length, and one admission round as large
-as a step takes, until all of them finish. (A rank-64 adapter's first small batch took 1.5 s mid-traffic on
+each alone and mixed, prompts short and past the attention split length, one admission round as large as a
+step takes, and one admitted beside a busy batch's decodes, until all of them finish. (A rank-64 adapter's first small batch took 1.5 s mid-traffic on
 an H200 when warm-up knew only rank 8.) The adapters are made here and evicted afterwards; nothing is left in
 the pool.
 """
@@ -89,7 +89,7 @@ def warmup_requests(cfg: ModelConfig, max_model_len: int, num_slots: int, max_ru
 
 
 def warmup_round(cfg: ModelConfig, max_model_len: int, num_slots: int, requests: int, tokens: int,
-                 adapters: list[str]) -> list[EngineRequest]:
+                 adapters: list[str], prefix: str = "warmup-round") -> list[EngineRequest]:
     """One round of `requests` prompts filling a step's `tokens` (within a quarter of the pool), a third
     base-only and the rest over the adapters: the shape of an admission step under load."""
     requests = max(1, requests)
@@ -98,15 +98,29 @@ def warmup_round(cfg: ModelConfig, max_model_len: int, num_slots: int, requests:
     for i in range(requests):
         prompt = [(11 * i + 5 * j) % cfg.vocab_size for j in range(length)]
         adapter = None if i % 3 == 0 else adapters[i % len(adapters)]
-        out.append(EngineRequest(f"warmup-round-{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), adapter))
+        out.append(EngineRequest(f"{prefix}-{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), adapter))
+    return out
+
+
+def warmup_decodes(cfg: ModelConfig, requests: int, adapters: list[str]) -> list[EngineRequest]:
+    """A busy batch of short requests, over the adapters and base-only, decoding while a round is admitted
+    beside them: under load an admission step carries every running request's decode token with the round's
+    prompts, and its LoRA launches (chunked segments among the decode tokens' short ones) are tiled otherwise
+    than a round's alone. On an H100 the engine met 6 such expand variants under load after a warm-up
+    without this batch (docs/benchmarks.md, 2026-12-06 18:37)."""
+    out = []
+    for i in range(max(0, requests)):
+        prompt = [(3 * i + 7 * j) % cfg.vocab_size for j in range(4)]
+        adapter = adapters[i % len(adapters)] if i % (len(adapters) + 1) else None
+        out.append(EngineRequest(f"warmup-decode-{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True), adapter))
     return out
 
 
 def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0, adapters: list[str] | None = None,
             variants=None) -> float:
     """Build the kernel variants earlier workers built (`variants`, a kernel_variants.KernelVariants), then run
-    the warm-up requests to completion (one alone, one on each adapter alone, the rest together, then an
-    admission round); returns seconds."""
+    the warm-up requests to completion (one alone, one on each adapter alone, the rest together, an admission
+    round, then a round beside a busy batch); returns seconds."""
     started = time.monotonic()
     built = variants.build_all() if variants is not None else None
     adapters = adapters or [WARMUP_ADAPTER]
@@ -122,23 +136,39 @@ def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0, adapters: list[s
     alone = list(first_on.values())
     alone_ids = {r.request_id for r in alone}
     rest = [r for r in requests[1:] if r.request_id not in alone_ids]
-    batches = [requests[:1], *([r] for r in alone), rest,
-               warmup_round(cfg, engine.max_model_len, engine.pool.num_slots, engine.admission_round,
-                            config.max_batched_tokens, adapters)]
-    for batch in batches:
+    round_size = engine.admission_round
+    decodes = max(0, config.max_running_requests - round_size)
+    mixed_tokens = max(round_size, config.max_batched_tokens - decodes)
+
+    def round_(tokens: int, prefix: str) -> list[EngineRequest]:
+        return warmup_round(cfg, engine.max_model_len, engine.pool.num_slots, round_size, tokens, adapters, prefix)
+
+    # (batch, a round added once the batch is running): the last is the busy batch with a round beside it.
+    batches = [(requests[:1], []), *(([r], []) for r in alone), (rest, []),
+               (round_(config.max_batched_tokens, "warmup-round"), []),
+               (warmup_decodes(cfg, decodes, adapters), round_(mixed_tokens, "warmup-mixed"))]
+
+    def step_all() -> None:
+        for out in engine.step():
+            if out.finish_reason == "error":
+                log.warning("worker.warmup_request_failed", request_id=out.request_id, error=out.error)
+        if time.monotonic() - started > timeout_s:
+            raise RuntimeError(f"warm-up did not finish within {timeout_s:g}s")
+
+    for batch, beside in batches:
         for req in batch:
             engine.add_request(req)
+        while beside and engine.waiting:
+            step_all()
+        for req in beside:
+            engine.add_request(req)
         while engine.has_unfinished():
-            for out in engine.step():
-                if out.finish_reason == "error":
-                    log.warning("worker.warmup_request_failed", request_id=out.request_id, error=out.error)
-            if time.monotonic() - started > timeout_s:
-                raise RuntimeError(f"warm-up did not finish within {timeout_s:g}s")
+            step_all()
     for name in adapters:
         engine.adapters.evict(name)
     graphs = capture_graphs(engine)
     seconds = time.monotonic() - started
-    log.info("worker.warmed_up", seconds=round(seconds, 2), requests=sum(len(b) for b in batches),
+    log.info("worker.warmed_up", seconds=round(seconds, 2), requests=sum(len(b) + len(r) for b, r in batches),
              adapters=len(adapters), graphs=graphs, variants_built=built and built["built"],
              **gpu_memory(engine.device))
     return seconds

@@ -1,6 +1,6 @@
 """Warm-up covers the shapes traffic compiles kernels for: each warm-up adapter alone (rank 8, and a wide one
 when ranks above 16 are accepted: the LoRA kernels tile those otherwise), all mixed, and one admission round
-as large as a step takes; afterwards the pool holds nothing of it."""
+as large as a step takes, alone and beside a busy batch's decodes; afterwards the pool holds nothing of it."""
 from __future__ import annotations
 
 import torch
@@ -53,6 +53,10 @@ def test_warm_up_runs_each_adapter_alone_then_mixed_then_a_round_and_leaves_the_
     assert {WARMUP_ADAPTER, WIDE_ADAPTER} in used  # and mixed
     round_ids = {f"warmup-round-{i}" for i in range(engine.admission_round)}
     assert any(ids == round_ids for _, ids in steps)  # the round was admitted and prefilled together
+    # Then a round admitted beside a busy batch's decodes: one step holds the whole batch, both kinds in it.
+    decode_ids = {f"warmup-decode-{i}" for i in range(config.max_running_requests - engine.admission_round)}
+    mixed_ids = {f"warmup-mixed-{i}" for i in range(engine.admission_round)}
+    assert any(ids == decode_ids | mixed_ids for _, ids in steps)
     assert engine.adapters.names == [] and engine.pool.allocator.num_used == engine.reserved_slots
     assert not engine.has_unfinished()
 
