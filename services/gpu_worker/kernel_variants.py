@@ -129,7 +129,7 @@ class KernelVariants:
                 counts["stale"] += 1
                 continue
             if target is None:
-                target = _current_target(kernel)
+                target = _current_target()
             if json.loads(entry["variant"]).get("target") != target:
                 counts["other_gpu"] += 1
             else:
@@ -154,10 +154,10 @@ def _kernel(name: str):
     return kernel if hasattr(kernel, "preload") else None
 
 
-def _current_target(kernel) -> dict:
+def _current_target() -> dict:
     """The current device's compile target (backend, architecture, warp size), as Triton writes it in a variant."""
     from triton.runtime import driver
-    return kernel.device_caches[driver.active.get_current_device()][2].__dict__
+    return driver.active.get_current_target().__dict__
 
 
 def _build(todo: list, threads: int) -> list[bool]:

@@ -27,7 +27,11 @@ from .launch_shapes import launch_shapes
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# A mixed step's batches are slices of its metadata (split_decode below) at any sequence: specialized, the
+# alignment of q_start and ctx_lens and the first token's index made new variants of the same launch shape as
+# traffic moved the split (built under load on an H100, docs/benchmarks.md 2026-12-06 18:58). Each is a scalar
+# read once a program, so the hints bought nothing. The slot table's are kept: its rows are read as vectors.
+@triton.jit(do_not_specialize=["q_start_ptr", "ctx_lens_ptr", "first_token"])
 def _attention_kernel(
     q_ptr, stride_qt, stride_qh, k_ptr, stride_k, v_ptr, stride_v,
     q_start_ptr, ctx_lens_ptr, slot_table_ptr, stride_st,
