@@ -44,7 +44,6 @@ from bench.step_floor import setting_of, window_steps, with_floors
 from benchmarks.engine_decode import LLAMA2_7B, LLAMA3_8B, TARGETS, synthetic_adapter
 from services.gpu_worker.engine import Engine
 from services.gpu_worker.kernel_builds import watch_builds
-from services.gpu_worker.kernel_variants import keep_variants
 from services.gpu_worker.warmup import warm_up, warmup_adapters
 from services.gpu_worker.requests import EngineRequest
 from services.gpu_worker.sampling import SamplingParams
@@ -76,9 +75,6 @@ def main() -> int:
     p.add_argument("--worker-warmup", action="store_true",
                    help="run the worker's own warm-up (services/gpu_worker/warmup.py) before the trace, as a served "
                         "worker does before it reports ready; its builds are reported apart")
-    p.add_argument("--kernel-variants", default="off",
-                   help="with --worker-warmup, the worker's kernel_variants setting: the variants file built at "
-                        "warm-up and added to as the trace builds more (auto, off or a path)")
     p.add_argument("--host-profile-steps", type=int, default=0,
                    help="after the window, this many steps under cProfile: where the host's time goes (0: none)")
     p.add_argument("--host-profile-out", default="", help="where the host profile's table goes")
@@ -106,17 +102,15 @@ def main() -> int:
     ceilings = Ceilings(**measure_ceilings_apart(device))
     builds = watch_builds()  # the engine's own watcher, whose counts hold its warm-up's builds too
     engine = Engine.with_dummy_weights(cfg, config)
-    worker_warmup, variants = None, None
+    worker_warmup = None
     if args.worker_warmup:
         # What a served worker runs before it reports ready: the window's builds are then the ones a served
         # point's traffic would meet after it.
         packed = warmup_adapters(cfg, engine.dtype, config.max_lora_rank)
         engine._local_adapters.update(packed)
         started, built = time.perf_counter(), builds.snapshot()
-        variants = keep_variants(args.kernel_variants)
-        warm_up(engine, cfg, adapters=list(packed), variants=variants)
-        worker_warmup = {"seconds": round(time.perf_counter() - started, 1), "kernel_builds": builds.summary(built),
-                         "kernel_variants": variants and {"path": str(variants.path), **variants.built}}
+        warm_up(engine, cfg, adapters=list(packed))
+        worker_warmup = {"seconds": round(time.perf_counter() - started, 1), "kernel_builds": builds.summary(built)}
     rng = np.random.default_rng(0)
     names = []
     for i in range(args.adapters):
@@ -186,8 +180,6 @@ def main() -> int:
               # all: None where Triton has no build hooks; none under the CPU interpreter.
               "kernel_builds_window": builds.summary(built_before), "kernel_builds": builds.summary(),
               "worker_warmup": worker_warmup,  # None: not run (--worker-warmup)
-              # Lines the run added to the variants file (--kernel-variants), warm-up's and the trace's.
-              "kernel_variants_recorded": variants.recorded if variants is not None else None,
               "config": {k: v for k, v in extra.items() if v != getattr(EngineConfig, k)}}
     setting = get_setting("tiny") if args.smoke else setting_of(args.model)
     dtype_bytes = 4 if args.smoke else 2

@@ -13,7 +13,6 @@ from shared.model_config import ModelConfig
 
 from .arena_client import ArenaAdapterLoader, ArenaSegments, StoreClient
 from .engine import DTYPES
-from .kernel_variants import keep_variants
 from .service import WorkerService, install_signal_handlers
 from .warmup import WithWarmupAdapter, warm_up, warmup_adapters
 from .worker_config import WorkerConfig, parse_args
@@ -64,14 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     warm = worker.warmup == "on" or (worker.warmup == "auto" and device.type == "cuda")
     packed = warmup_adapters(cfg, DTYPES[engine_config.dtype], engine_config.max_lora_rank) if warm else {}
     engine = build_engine(worker, engine_config, WithWarmupAdapter(loader, packed) if warm else loader)
-    # Every kernel variant built from here on, traffic's included, is built before the next start's traffic.
-    variants = keep_variants(worker.kernel_variants) if device.type == "cuda" else None
     service = None
     try:
         arena = store.arena_name(timeout_s=ARENA_NAME_TIMEOUT_S) if segments.register_with_cuda else ""
         segments.populate_at_start(arena)  # its pages fault in while the graphs are captured
         if warm:
-            warm_up(engine, cfg, adapters=list(packed), variants=variants)
+            warm_up(engine, cfg, adapters=list(packed))
         if segments.register_with_cuda and not arena:  # the store was not up yet (services started together)
             arena = store.arena_name(timeout_s=ARENA_NAME_TIMEOUT_S)
         # Before the worker reports ready: pinning a large arena takes seconds (ArenaSegments).

@@ -15,10 +15,6 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 
-from shared.log import get_logger
-
-log = get_logger(__name__)
-
 VARIANT_CHARS = 800  # of a build's description kept (its constexprs and specialized arguments)
 VARIANTS_SHOWN = 6  # per kernel, in a summary
 
@@ -34,8 +30,6 @@ class KernelBuilds:
         self._started: dict[tuple[str, str], float] = {}
         self._previous = (None, None)
         self.installed = False
-        # Called with (fn, compile) after each build: kernel_variants.KernelVariants.record keeps its variant.
-        self.listeners: list = []
 
     def install(self) -> bool:
         """Hook Triton's builds; False where this Triton has no such hooks."""
@@ -72,11 +66,6 @@ class KernelBuilds:
         self.total += 1
         self.total_s += took
         self.variants.append((fn.name, _variant(kwargs)))
-        for listener in self.listeners:
-            try:
-                listener(fn, kwargs.get("compile") or {})
-            except OSError as e:  # a full or read-only disk must not fail the launch that built the kernel
-                log.warning("worker.kernel_build_listener_failed", error=str(e)[:200])
         after = self._previous[1]
         return after(key=key, fn=fn, **kwargs) if after else None
 

@@ -116,13 +116,10 @@ def warmup_decodes(cfg: ModelConfig, requests: int, adapters: list[str]) -> list
     return out
 
 
-def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0, adapters: list[str] | None = None,
-            variants=None) -> float:
-    """Build the kernel variants earlier workers built (`variants`, a kernel_variants.KernelVariants), then run
-    the warm-up requests to completion (one alone, one on each adapter alone, the rest together, an admission
-    round, then a round beside a busy batch); returns seconds."""
+def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0, adapters: list[str] | None = None) -> float:
+    """Run the warm-up requests to completion (one alone, one on each adapter alone, the rest together, an
+    admission round, then a round beside a busy batch); returns seconds."""
     started = time.monotonic()
-    built = variants.build_all() if variants is not None else None
     adapters = adapters or [WARMUP_ADAPTER]
     config = engine.config
     requests = warmup_requests(cfg, engine.max_model_len, engine.pool.num_slots, config.max_running_requests,
@@ -169,8 +166,7 @@ def warm_up(engine, cfg: ModelConfig, timeout_s: float = 600.0, adapters: list[s
     graphs = capture_graphs(engine)
     seconds = time.monotonic() - started
     log.info("worker.warmed_up", seconds=round(seconds, 2), requests=sum(len(b) + len(r) for b, r in batches),
-             adapters=len(adapters), graphs=graphs, variants_built=built and built["built"],
-             **gpu_memory(engine.device))
+             adapters=len(adapters), graphs=graphs, **gpu_memory(engine.device))
     return seconds
 
 

@@ -32,9 +32,6 @@ class WorkerConfig:
                                          "answers other calls (loads from disk queue behind each other)", 120.0)
     ready_file: str = _doc("file written when the worker is ready and touched every heartbeat (supervisor liveness)", "")
     warmup: str = _doc("run throwaway requests before reporting ready so kernels compile first: auto (on CUDA), on, off", "auto")
-    kernel_variants: str = _doc("file of the Triton kernel variants this worker builds, each built again at the next "
-                                "warm-up so traffic meets none of them: auto (beside Triton's cache, TRITON_CACHE_DIR), "
-                                "off, or a path", "auto")
     gpu_prefetch_free_fraction: float = _doc(
         "load hinted adapters into the GPU pool ahead of use only while at least this fraction of slots is free", 0.5)
 
