@@ -6,9 +6,9 @@ capture decode graphs: seconds per step, in which the worker cannot send a heart
 take it for dead, and which a running batch would wait through. Warm-up runs those shapes once: single and
 batched requests, base-only and with a small (rank 8) and a wide (rank 64, or the largest allowed) adapter,
 each alone and mixed, prompts short and past the attention split length, one admission round as large as a
-step takes, and one admitted beside a busy batch's decodes, until all of them finish. (A rank-64 adapter's first small batch took 1.5 s mid-traffic on
-an H200 when warm-up knew only rank 8.) The adapters are made here and evicted afterwards; nothing is left in
-the pool.
+step takes, and one admitted beside a busy batch's decodes, until all of them finish. (A rank-64 adapter's
+first small batch took 1.5 s mid-traffic on an H200 when warm-up knew only rank 8.) The adapters are made here
+and evicted afterwards; nothing is left in the pool.
 """
 from __future__ import annotations
 
@@ -106,8 +106,9 @@ def warmup_decodes(cfg: ModelConfig, requests: int, adapters: list[str]) -> list
     """A busy batch of short requests, over the adapters and base-only, decoding while a round is admitted
     beside them: under load an admission step carries every running request's decode token with the round's
     prompts, and its LoRA launches (chunked segments among the decode tokens' short ones) are tiled otherwise
-    than a round's alone. On an H100 the engine met 6 such expand variants under load after a warm-up
-    without this batch (docs/benchmarks.md, 2026-12-06 18:37)."""
+    than a round's alone. On an H100, after a warm-up without this batch, the engine met 6 such expand variants
+    in 20 s of S-GQA traffic; with it, warm-up built 2 more and traffic met 5 and 1 in two runs (how a run's
+    admission steps fall decides which it meets; docs/benchmarks.md, 2026-12-06 18:37)."""
     out = []
     for i in range(max(0, requests)):
         prompt = [(3 * i + 7 * j) % cfg.vocab_size for j in range(4)]
