@@ -1,6 +1,7 @@
-"""The LoRA kernels' int arguments that change from step to step are not specialised on, so a step with a
-new token count, batch rank, input split, chunk length or segment count reuses a compiled kernel instead
-of compiling one (about a second, in a step every running request waits for)."""
+"""The kernels' arguments that change from step to step are not specialised on, so a step with a new token
+count, batch rank, input split, chunk length, segment or chunk-item count, or a mixed step split at another
+sequence (attention's metadata slices) reuses a compiled kernel instead of building one (~0.3-1 s, in a step
+every running request waits for)."""
 from __future__ import annotations
 
 import importlib
@@ -10,11 +11,12 @@ import pytest
 STEP_VARYING = {
     ("lora_shrink", "_shrink_token_kernel"): {"stride_og", "num_tokens", "max_rank", "n_split"},
     ("lora_shrink", "_shrink_segment_kernel"): {"stride_og", "num_tokens", "max_rank", "n_split", "chunk_tokens",
-                                                "n_r_tiles", "num_segments", "seg_programs"},
+                                                "n_r_tiles", "num_segments", "seg_programs", "stride_items"},
     ("lora_shrink", "_shrink_finalize_kernel"): {"stride_og", "num_tokens", "max_rank", "n_split"},
     ("lora_expand", "_expand_token_kernel"): {"stride_yg", "y_rank"},
     ("lora_expand", "_expand_segment_kernel"): {"stride_yg", "y_rank", "chunk_tokens", "num_segments",
-                                                "seg_programs"},
+                                                "seg_programs", "stride_items"},
+    ("paged_attention", "_attention_kernel"): {"q_start_ptr", "ctx_lens_ptr", "first_token"},
 }
 
 
