@@ -221,7 +221,7 @@ class Engine:
         if not scheduled:
             return flight
         flight.launched_at = flight.launched_at or time.perf_counter()
-        builds, build_s = self.kernel_builds.total, self.kernel_builds.total_s
+        builds, build_s = self.kernel_builds.totals()
         if self.copier is not None:
             self.copier.order_before_compute()
         gpu_start = None
@@ -262,8 +262,8 @@ class Engine:
             gpu_end.record()
             flight.gpu_events = (gpu_start, gpu_end)
         flight.launch_done_at = time.perf_counter()
-        flight.builds = self.kernel_builds.total - builds
-        flight.build_s = self.kernel_builds.total_s - build_s
+        builds_after, build_s_after = self.kernel_builds.totals()
+        flight.builds, flight.build_s = builds_after - builds, build_s_after - build_s
         # Counted once the kernels are queued: the GPU is busy meanwhile.
         flight.adapters, flight.adapter_bytes = self.adapters.rows_read({seq.req.adapter for seq, _ in scheduled})
         self._in_flight = flight

@@ -23,9 +23,6 @@ class KernelBuilds:
     def __init__(self) -> None:
         self.builds: Counter[str] = Counter()
         self.seconds: defaultdict[str, float] = defaultdict(float)
-        # Of every kernel, kept apart from the counters above: the engine reads them around each step it issues.
-        self.total = 0
-        self.total_s = 0.0
         self.variants: list[tuple[str, str]] = []  # (kernel, variant) of each build, in order
         self._started: dict[tuple[str, str], float] = {}
         self._previous = (None, None)
@@ -63,11 +60,13 @@ class KernelBuilds:
         took = time.perf_counter() - started if started is not None else 0.0
         self.builds[fn.name] += 1
         self.seconds[fn.name] += took
-        self.total += 1
-        self.total_s += took
         self.variants.append((fn.name, _variant(kwargs)))
         after = self._previous[1]
         return after(key=key, fn=fn, **kwargs) if after else None
+
+    def totals(self) -> tuple[int, float]:
+        """Builds of every kernel and their seconds: what the engine reads around each step it issues."""
+        return len(self.variants), sum(self.seconds.values())
 
     def snapshot(self) -> tuple[Counter, dict, int]:
         return Counter(self.builds), dict(self.seconds), len(self.variants)

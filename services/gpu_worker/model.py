@@ -65,7 +65,8 @@ class LlamaModel:
         """x @ weightᵀ (+ bias) with the step's LoRA for `modules` added. With kernel_shapes stacked_lora_first a
         stacked step writes its LoRA products first and the base GEMM adds into them: the GEMM, bound by its
         FLOPs at large batches, reads the output in its epilogue, where adding the products after it takes a
-        pass of its own over the output."""
+        pass of its own over the output. A module with a bias keeps the ordinary order (its bias would take a
+        pass of its own)."""
         if (lora is not None and lora.stack_columns and bias is None and launch_shapes().stacked_lora_first
                 and lora.group_max_rank(modules)):
             a, bts = lora.stacks.operands(pool, layer, modules, lora.stack_columns, lora.stack_held)
