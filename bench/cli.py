@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     targets.add_argument("files", nargs="*", help="result files (default docs/bench/*.jsonl)")
     targets.add_argument("--gpu", default="H200", help="judge the lines measured on this GPU, matched within the "
                          "line's device name (default H200, the GPU the targets are set for)")
+    targets.add_argument("--plot", metavar="PNG", help="also draw each target's measured share of what it asks "
+                         "beside the most its rooflines allow (bench/targets_plot.py)")
 
     roof = sub.add_parser("roofline", help=COMMANDS_HELP["roofline"], description=(
         "Measure device-to-device copy, bf16 matmul and pinned host-to-device ceilings, then print the roofline "
@@ -265,6 +267,11 @@ def cmd_targets(args, argv) -> int:
         sys.stderr.write("no result files given and none in docs/bench/\n")
         return 1
     sys.stdout.write(table(files, args.gpu))
+    if args.plot:
+        from bench.targets_plot import plot_targets
+
+        drawn = plot_targets(files, args.plot, args.gpu)
+        sys.stdout.write(f"{args.plot}: {len(drawn)} targets drawn\n" if drawn else "no figure: no target measured\n")
     return 0
 
 

@@ -26,6 +26,14 @@ from bench.plots import fixed_pool, read_lines
 
 ROOFLINE_TARGET = 0.6
 TARGET_GPU = "H200"  # matched within a line's `gpu` (the device's name, e.g. "NVIDIA H200")
+# The issue's targets, in its order: (setting, n, req/s) for the absolute one; (setting, numerator,
+# denominator, factor, both from one run) for the ratios, each side a (system, n).
+ABSOLUTE = ("S2", 2000, 30.0)
+RATIOS = (
+    ("S2", ("loraplex", 2000), ("loraplex", 5), 0.9, False),
+    ("S2", ("loraplex", 100), ("base-only", 100), 0.9, False),
+    ("S2", ("loraplex", 100), ("peft", 100), 30.0, True),
+)
 
 
 @dataclass(frozen=True)
@@ -103,12 +111,16 @@ def one_run(a: dict, b: dict) -> bool:
     return bool(a.get("run")) and a.get("run") == b.get("run")
 
 
+def ratio_name(setting: str, num: tuple[str, int], den: tuple[str, int], factor: float) -> str:
+    side = lambda s, n: f"n = {n}" if s == "loraplex" else f"{s} n = {n}"  # noqa: E731
+    return f"{setting} {side(*num)} ≥ {factor:g} × {side(*den)}"
+
+
 def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int], factor: float,
           same_run: bool = False) -> Verdict:
     """num's throughput ≥ factor × den's; both (system, n) of one setting. With same_run the target asks for
     both points from one run, and a ratio of two runs' lines says so in its status."""
-    name = lambda s, n: f"n = {n}" if s == "loraplex" else f"{s} n = {n}"  # noqa: E731
-    target = f"{setting} {name(*num)} ≥ {factor:g} × {name(*den)}"
+    target = ratio_name(setting, num, den, factor)
     a, b = points.get((setting, *num)), points.get((setting, *den))
     if a is None or b is None:
         return Verdict(target, "", "", "not measured")
@@ -243,13 +255,9 @@ def _attainable_share(line: dict) -> str:
 def verdicts(paths: list[str | Path], gpu: str = TARGET_GPU) -> list[Verdict]:
     """The issue's serving targets (docs/benchmarks.md), in its order, from the lines measured on `gpu`."""
     points = saturation_points(paths, gpu)
-    return [
-        absolute(points, "S2", 2000, 30.0),
-        ratio(points, "S2", ("loraplex", 2000), ("loraplex", 5), 0.9),
-        ratio(points, "S2", ("loraplex", 100), ("base-only", 100), 0.9),
-        ratio(points, "S2", ("loraplex", 100), ("peft", 100), 30.0, same_run=True),
-        roofline_fractions(points),
-    ]
+    return [absolute(points, *ABSOLUTE),
+            *(ratio(points, s, num, den, factor, same_run=one) for s, num, den, factor, one in RATIOS),
+            roofline_fractions(points)]
 
 
 def table(paths: list[str | Path], gpu: str = TARGET_GPU) -> str:
