@@ -54,13 +54,19 @@ Words, comma-separated:
                         GEMM adds into it (beta = 1), instead of the product added over the base GEMM's output:
                         at S-GQA's batch of 512 the adding pass read and wrote 88 MB of outputs a layer (1.55 ms
                         a step on an H100, docs/benchmarks.md, 2026-12-06 09:13), while the base GEMM, bound by
-                        its FLOPs there, may read them in its epilogue at little cost (off until timed)
+                        its FLOPs there, may read them in its epilogue at little cost. Off: on an H100 the
+                        decode step took 1.003 of its time at S-GQA's 472 rows over 5 adapters and 1.004 at S2's
+                        336, and served S-GQA n = 5 read 45.39 req/s against 45.54-46.57 without it
+                        (docs/benchmarks.md, 2026-12-06 22:33)
   graph_batch_step=N    decode graphs are captured for batches every N rows past 256 (every min(N, 32) from 128
                         to 256; N a power of two, 8 to 64; default 64): a step replays the smallest graph holding
                         its rows, and its base GEMMs, bound by their FLOPs at served batches, compute the padding
                         rows too; a smaller N captures more graphs at warm-up. On an H100 Llama-2-7B's step of 336
                         rows took 1.1-1.6 ms less in a graph of 336 than of 384, Llama-3-8B's of 456 rows 0.5-0.7 ms
-                        more in one of 464 than of 512 (docs/benchmarks.md, 2026-12-06 09:13)
+                        more in one of 464 than of 512 (docs/benchmarks.md, 2026-12-06 09:13); over 300 adapters
+                        (S2 n = 2000's step) 332 rows took 1.0 ms less in a graph of 336, 300 rows 0.44 ms less
+                        in one of 304, and Llama-3-8B's 456 rows over 100 the same in 464 as in 512; served S2
+                        n = 5 at 256 the same as with the default (docs/benchmarks.md, 2026-12-06 22:33)
   expand_rank_whole     in a decode graph planned for every segment, a LoRA expand program takes its adapter's
                         whole rank in one step and pipelines over its column tiles (ExpandConfig.rank_whole);
                         off: S-GQA's decode step took 4.6% longer with it on the H200 (docs/benchmarks.md,
