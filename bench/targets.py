@@ -34,6 +34,8 @@ RATIOS = (
     ("S2", ("loraplex", 100), ("base-only", 100), 0.9, False),
     ("S2", ("loraplex", 100), ("peft", 100), 30.0, True),
 )
+# Baselines measured on loraplex's trace without a roofline of their own: a ratio against them has no bound.
+UNBOUNDED_SYSTEMS = ("peft", "merge")
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,12 @@ def _day(line: dict) -> str:
     return str(line.get("started_at", line.get("date", "")))[:10]
 
 
+def absolute_name(setting: str, n: int, floor_rps: float) -> str:
+    return f"{setting} n = {n} ≥ {floor_rps:g} req/s"
+
+
 def absolute(points: dict, setting: str, n: int, floor_rps: float) -> Verdict:
-    target = f"{setting} n = {n} ≥ {floor_rps:g} req/s"
+    target = absolute_name(setting, n, floor_rps)
     p = points.get((setting, "loraplex", n))
     if p is None:
         return Verdict(target, "", "", "not measured")
@@ -129,7 +135,7 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
     text = f"{a['throughput_rps']:.1f} / {b['throughput_rps']:.2f} = {measured:.2f}× ({when})"
     bound, status = "", "met" if measured >= factor else "missed"
     ra, rb = a.get("roofline_rps"), b.get("roofline_rps")
-    if ra and rb and b["system"] not in ("peft", "merge"):  # a baseline's roofline is loraplex's own trace
+    if ra and rb and b["system"] not in UNBOUNDED_SYSTEMS:
         limit = ra / rb
         bound = f"rooflines' ratio {limit:.3f}"
         if measured < factor and limit < factor:
@@ -139,7 +145,7 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
     if a.get("server_code") and b.get("server_code") and a["server_code"] != b["server_code"]:
         # A change to the server between the points moves the ratio as much as the adapters do.
         status += f", but served by different code ({a['server_code']}, {b['server_code']})"
-    if b["system"] not in ("peft", "merge") and a["batch"] != b["batch"]:
+    if b["system"] not in UNBOUNDED_SYSTEMS and a["batch"] != b["batch"]:
         # A larger running batch shares a step's fixed part (weights, adapters' rows) among more tokens:
         # two points at different caps measure the caps as much as the adapters.
         status = f"not comparable: running batches {a['batch']} and {b['batch']} (measure both at one)"

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.targets import ABSOLUTE, RATIOS, ROOFLINE_TARGET, TARGET_GPU, one_run, ratio_name, saturation_points
-
-UNBOUNDED_SYSTEMS = ("peft", "merge")  # measured on loraplex's trace, without a roofline of their own
+from bench.targets import (ABSOLUTE, RATIOS, ROOFLINE_TARGET, TARGET_GPU, UNBOUNDED_SYSTEMS, absolute_name, one_run,
+                           ratio_name, saturation_points)
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ def scores(paths: list[str | Path], gpu: str = TARGET_GPU) -> list[Score]:
     p = points.get((setting, "loraplex", n))
     if p is not None:
         attainable = p.get("attainable_rps") or p.get("roofline_rps")
-        out.append(Score(f"{setting} n = {n} ≥ {rps_asked:g} req/s", p["throughput_rps"] / rps_asked,
+        out.append(Score(absolute_name(setting, n, rps_asked), p["throughput_rps"] / rps_asked,
                          attainable / rps_asked if attainable else None, f"{p['throughput_rps']:.2f} req/s"))
     for setting, num, den, factor, same_run in RATIOS:
         a, b = points.get((setting, *num)), points.get((setting, *den))
