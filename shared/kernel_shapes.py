@@ -50,14 +50,6 @@ Words, comma-separated:
                         adapters, 2.8% less at 256 over 8, 1.5% less at S2's 256 over 5, and served S-GQA n = 5
                         went from 43.91 to 45.94 req/s; gathered every step they gained 5% at 512 over 5 but lost
                         6.5% at 256 over 8 (docs/benchmarks.md, 2026-12-06 06:12)
-  stacked_lora_first    in those graphs, each module's LoRA product is written into the output first and the base
-                        GEMM adds into it (beta = 1), instead of the product added over the base GEMM's output:
-                        at S-GQA's batch of 512 the adding pass read and wrote 88 MB of outputs a layer (1.55 ms
-                        a step on an H100, docs/benchmarks.md, 2026-12-06 09:13), while the base GEMM, bound by
-                        its FLOPs there, may read them in its epilogue at little cost. Off: on an H100 the
-                        decode step took 1.003 of its time at S-GQA's 472 rows over 5 adapters and 1.004 at S2's
-                        336, and served S-GQA n = 5 read 45.39 req/s against 45.54-46.57 without it
-                        (docs/benchmarks.md, 2026-12-06 22:33)
   graph_batch_step=N    decode graphs are captured for batches every N rows past 256 (every min(N, 32) from 128
                         to 256; N a power of two, 8 to 64; default 64): a step replays the smallest graph holding
                         its rows, and its base GEMMs, bound by their FLOPs at served batches, compute the padding
@@ -113,7 +105,6 @@ class LaunchShapes:
     graph_few_deal_max: int = 8  # 0 (no_graph_few_deal_max): up to the graph's bound on busy segments
     graph_few_stacked: int = 8  # 0 (no_graph_few_stacked): the segment kernels at every step
     graph_stacked_held: int = 256  # 0 (no_graph_stacked_held): a stacked graph gathers its rows every step
-    stacked_lora_first: bool = False
     graph_batch_step: int = 64  # rows between decode graphs' batch sizes past 256
     expand_rank_whole: bool = False
     expand_registers: int = 56  # 0 (no_expand_registers): the compiler's choice

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from shared.model_config import ModelConfig
 
-from .kernels.launch_shapes import launch_shapes
 from .ops.meta import AttnMeta, LoraBatch
 from .ops.stacked_lora import stacked_products
 from .pool import UnifiedPool
@@ -60,23 +59,6 @@ class LlamaModel:
         y = self.ops.lora_shrink(x, pool.k(layer), lora.token_adapter, lora.tables, modules, max_rank, **hints)
         self.ops.lora_expand(y, pool.v(layer), lora.token_adapter, lora.tables, modules, out, out_dims, **hints)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoraBatch | None,
-                pool: UnifiedPool, layer: int, modules: tuple[int, ...], out_dims: tuple[int, ...]) -> torch.Tensor:
-        """x @ weightᵀ (+ bias) with the step's LoRA for `modules` added. With kernel_shapes stacked_lora_first a
-        stacked step writes its LoRA products first and the base GEMM adds into them: the GEMM, bound by its
-        FLOPs at large batches, reads the output in its epilogue, where adding the products after it takes a
-        pass of its own over the output. A module with a bias keeps the ordinary order (its bias would take a
-        pass of its own)."""
-        if (lora is not None and lora.stack_columns and bias is None and launch_shapes().stacked_lora_first
-                and lora.group_max_rank(modules)):
-            a, bts = lora.stacks.operands(pool, layer, modules, lora.stack_columns, lora.stack_held)
-            out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-            stacked_products(x, a, bts, lora.kernel_args["stack_keep"], out, accumulate=False)
-            return out.addmm_(x, weight.t())
-        out = F.linear(x, weight, bias)
-        self._lora(x, out, lora, pool, layer, modules, out_dims)
-        return out
-
     def prepare_lora(self, lora: LoraBatch) -> None:
         """A step's LoRA work shared by every layer: a stacked graph's column mask, or the backend's grouping of
         tokens by adapter."""
@@ -99,18 +81,22 @@ class LlamaModel:
         h = self.w.embed[batch.input_ids]
         x = ops.rms_norm(h, layers[0].input_norm, eps)
         for i, lw in enumerate(layers):
-            qkv = self._linear(x, lw.qkv, lw.qkv_bias, lora, pool, i, QKV, self.split)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            self._lora(x, qkv, lora, pool, i, QKV, self.split)
             q, k, v = qkv.split(self.split, dim=-1)
             q, k = ops.rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim),
                               k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
                               batch.positions, self.rotary.cos, self.rotary.sin)
             ops.write_kv(pool.k(i), pool.v(i), batch.out_slots, k.reshape(num_tokens, -1), v)
             attn = ops.attention(q, pool.k(i), pool.v(i), batch.attn, self.scale).reshape(num_tokens, -1)
-            o = self._linear(attn, lw.o, None, lora, pool, i, O, (cfg.hidden_size,))
+            o = F.linear(attn, lw.o)
+            self._lora(attn, o, lora, pool, i, O, (cfg.hidden_size,))
             h, x = ops.add_rms_norm(o, h, lw.post_norm, eps)
-            gu = self._linear(x, lw.gate_up, None, lora, pool, i, GATE_UP, (self.inter, self.inter))
+            gu = F.linear(x, lw.gate_up)
+            self._lora(x, gu, lora, pool, i, GATE_UP, (self.inter, self.inter))
             act = ops.silu_mul(gu, self.inter)
-            d = self._linear(act, lw.down, None, lora, pool, i, DOWN, (cfg.hidden_size,))
+            d = F.linear(act, lw.down)
+            self._lora(act, d, lora, pool, i, DOWN, (cfg.hidden_size,))
             if i + 1 < len(layers):
                 h, x = ops.add_rms_norm(d, h, layers[i + 1].input_norm, eps)
         idx = batch.logits_index

@@ -84,46 +84,6 @@ def test_the_models_lora_through_the_stacks_equals_the_segment_ops(engine_with_r
             assert (outs[1] - base)[token_adapter < 0].abs().max() == 0
 
 
-def test_lora_first_writes_the_products_then_adds_the_base_gemm_with_the_same_result(engine_with_residents):
-    """kernel_shapes stacked_lora_first: each group's output is the LoRA products with the base GEMM added into
-    them, equal to the base GEMM with the products added after it; steps without stacks are untouched."""
-    from services.gpu_worker.kernels.launch_shapes import launch_shapes, set_launch_shapes
-    from shared.kernel_shapes import LaunchShapes
-
-    engine, residents, stacks = engine_with_residents
-    model, cfg = engine.model, engine.cfg
-    step = [residents["mlp"], residents["attn"]]
-    columns = stacked_columns([max(r.ranks) for r in step])
-    stacks.fill(columns, step, engine.pool, held=True)
-    ids = [residents["attn"].resident_id, -1, residents["mlp"].resident_id, residents["mlp"].resident_id]
-    token_adapter = torch.tensor(ids, dtype=torch.int32)
-    gen = torch.Generator().manual_seed(11)
-    layer, lw = 1, model.w.layers[1]
-    shipped = launch_shapes()
-    try:
-        for weight, modules, dims in ((lw.qkv, QKV, model.split), (lw.o, O, (cfg.hidden_size,)),
-                                      (lw.gate_up, GATE_UP, (cfg.intermediate_size,) * 2),
-                                      (lw.down, DOWN, (cfg.hidden_size,))):
-            x = torch.randn(len(ids), weight.shape[1], generator=gen)
-            outs = {}
-            for first in (False, True):
-                set_launch_shapes(LaunchShapes(stacked_lora_first=first))
-                for stacked in (True, False):
-                    lora = LoraBatch(tables=engine.adapters.tables, token_adapter=token_adapter, max_rank=(32,) * 7)
-                    if stacked:
-                        lora.stacks, lora.stack_columns, lora.stack_held = stacks, columns, True
-                    model.prepare_lora(lora)
-                    outs[first, stacked] = model._linear(x, weight, None, lora, engine.pool, layer, modules, dims)
-            base = x @ weight.t()
-            torch.testing.assert_close(outs[True, True], outs[False, True], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(outs[True, True], outs[False, False], rtol=1e-4, atol=1e-5)
-            assert torch.equal(outs[True, False], outs[False, False])  # no stacks: the ordinary path either way
-            assert (outs[True, True] - base).abs().max() > 1e-3  # the LoRA is there, not the base alone
-            torch.testing.assert_close(outs[True, True][1], base[1], rtol=1e-5, atol=1e-5)  # base-only token
-    finally:
-        set_launch_shapes(shipped)
-
-
 def test_a_fill_is_skipped_while_the_step_keeps_its_adapters(engine_with_residents):
     _, residents, stacks = engine_with_residents
     first = [residents["attn"], residents["all"]]

@@ -127,15 +127,14 @@ def gather_stack(k_buf: torch.Tensor, v_buf: torch.Tensor, rows: StackedRows, a_
 
 
 def stacked_products(x: torch.Tensor, a: torch.Tensor, bts: list[torch.Tensor], keep: torch.Tensor,
-                     out: torch.Tensor, accumulate: bool = True) -> None:
-    """out[:, cols of module g] += ((x @ aᵀ) masked by `keep`)[:, block g] @ bts[g], in place; with accumulate
-    False, = instead of += (out's contents are not read: it may be uninitialized)."""
+                     out: torch.Tensor) -> None:
+    """out[:, cols of module g] += ((x @ aᵀ) masked by `keep`)[:, block g] @ bts[g], in place."""
     groups, columns = len(bts), keep.shape[1]
     y = torch.mm(x, a.t())  # [T, G * columns]: every token against every stacked adapter
     y = y.view(x.shape[0], groups, columns).mul_(keep[:, None, :])
     col = 0
     for g, bt in enumerate(bts):
-        out[:, col: col + bt.shape[1]].addmm_(y[:, g], bt, beta=1 if accumulate else 0)
+        out[:, col: col + bt.shape[1]].addmm_(y[:, g], bt)
         col += bt.shape[1]
 
 
