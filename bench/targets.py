@@ -122,6 +122,13 @@ def ratio_name(setting: str, num: tuple[str, int], den: tuple[str, int], factor:
     return f"{setting} {side(*num)} ≥ {factor:g} × {side(*den)}"
 
 
+def rooflines_ratio(a: dict, b: dict) -> float | None:
+    """What two servers at 100% of their rooflines would give; none against a baseline without a roofline of
+    its own."""
+    ra, rb = a.get("roofline_rps"), b.get("roofline_rps")
+    return ra / rb if ra and rb and b["system"] not in UNBOUNDED_SYSTEMS else None
+
+
 def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int], factor: float,
           same_run: bool = False) -> Verdict:
     """num's throughput ≥ factor × den's; both (system, n) of one setting. With same_run the target asks for
@@ -134,9 +141,8 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
     when = f"one run, {_day(a)}" if one_run(a, b) else f"{_day(a)}, {_day(b)}"
     text = f"{a['throughput_rps']:.1f} / {b['throughput_rps']:.2f} = {measured:.2f}× ({when})"
     bound, status = "", "met" if measured >= factor else "missed"
-    ra, rb = a.get("roofline_rps"), b.get("roofline_rps")
-    if ra and rb and b["system"] not in UNBOUNDED_SYSTEMS:
-        limit = ra / rb
+    limit = rooflines_ratio(a, b)
+    if limit is not None:
         bound = f"rooflines' ratio {limit:.3f}"
         if measured < factor and limit < factor:
             status = "missed, beyond the roofline"
@@ -235,8 +241,13 @@ def _captured(s: dict) -> str:
     return f" ({'; '.join(said)})" if said else ""
 
 
+def fraction_points(points: dict) -> list[tuple[tuple[str, str, int], dict]]:
+    """loraplex's points that carry a roofline fraction, by setting and n."""
+    return sorted((k, p) for k, p in points.items() if k[1] == "loraplex" and p.get("roofline_fraction") is not None)
+
+
 def roofline_fractions(points: dict) -> Verdict:
-    lines = sorted((k, p) for k, p in points.items() if k[1] == "loraplex" and p.get("roofline_fraction") is not None)
+    lines = fraction_points(points)
     if not lines:
         return Verdict(f"≥ {ROOFLINE_TARGET:.0%} of the roofline", "", "", "not measured")
     parts = [f"{s} n = {n} {p['roofline_fraction']:.2f}" + _attainable_share(p) for (s, _, n), p in lines]
@@ -254,8 +265,14 @@ def roofline_fractions(points: dict) -> Verdict:
 def _attainable_share(line: dict) -> str:
     """" (at most X)": the share of its roofline a server with every operation at its binding ceiling would
     reach, where the line records it."""
+    share = attainable_share(line)
+    return f" (at most {share:.2f})" if share is not None else ""
+
+
+def attainable_share(line: dict) -> float | None:
+    """The attainable throughput (every operation at its binding ceiling) over the roofline, where recorded."""
     roof, attainable = line.get("roofline_rps"), line.get("attainable_rps")
-    return f" (at most {attainable / roof:.2f})" if roof and attainable else ""
+    return attainable / roof if roof and attainable else None
 
 
 def verdicts(paths: list[str | Path], gpu: str = TARGET_GPU) -> list[Verdict]:

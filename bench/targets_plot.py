@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.targets import (ABSOLUTE, RATIOS, ROOFLINE_TARGET, TARGET_GPU, UNBOUNDED_SYSTEMS, absolute_name, one_run,
-                           ratio_name, saturation_points)
+from bench.targets import (ABSOLUTE, RATIOS, ROOFLINE_TARGET, TARGET_GPU, absolute_name, attainable_share,
+                           fraction_points, one_run, ratio_name, rooflines_ratio, saturation_points)
 
 
 @dataclass(frozen=True)
@@ -40,18 +40,14 @@ def scores(paths: list[str | Path], gpu: str = TARGET_GPU) -> list[Score]:
         if a is None or b is None:
             continue
         measured = a["throughput_rps"] / b["throughput_rps"]
-        ra, rb = a.get("roofline_rps"), b.get("roofline_rps")
-        limit = (ra / rb) / factor if ra and rb and den[0] not in UNBOUNDED_SYSTEMS else None
+        limit = rooflines_ratio(a, b)
         runs = " (two runs)" if same_run and not one_run(a, b) else ""  # the target asks for one
-        out.append(Score(ratio_name(setting, num, den, factor), measured / factor, limit, f"{measured:.2f}×{runs}"))
-    for (setting, system, n), p in sorted(points.items()):
-        fraction, roof = p.get("roofline_fraction"), p.get("roofline_rps")
-        if system != "loraplex" or fraction is None:
-            continue
-        attainable = p.get("attainable_rps")
-        limit = attainable / roof / ROOFLINE_TARGET if attainable and roof else None
+        out.append(Score(ratio_name(setting, num, den, factor), measured / factor,
+                         limit / factor if limit is not None else None, f"{measured:.2f}×{runs}"))
+    for (setting, _, n), p in fraction_points(points):
+        fraction, limit = p["roofline_fraction"], attainable_share(p)
         out.append(Score(f"{setting} n = {n} ≥ {ROOFLINE_TARGET:.0%} of the roofline", fraction / ROOFLINE_TARGET,
-                         limit, f"{fraction:.2f} of it"))
+                         limit / ROOFLINE_TARGET if limit is not None else None, f"{fraction:.2f} of it"))
     return out
 
 
@@ -82,9 +78,9 @@ def plot_targets(paths: list[str | Path], out: str | Path, gpu: str = TARGET_GPU
     ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_yticks(list(ys), [b.target for b in bars], fontsize=8)
     ax.set_xlabel("measured / asked by the target (1 = met)")
-    right = max([b.share for b in bars] + [lim for _, lim in limited])
-    ax.set_xlim(left, right * 1.6)  # room for the values written past the longest bar
-    ticks = [t for t in (0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 8, 16) if left <= t <= right * 1.6]
+    right = max([b.share for b in bars] + [lim for _, lim in limited]) * 1.6  # room for the values written past
+    ax.set_xlim(left, right)
+    ticks = [t for t in (0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 8, 16) if left <= t <= right]
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
     ax.grid(True, axis="x", alpha=0.3)
     if limited:
