@@ -78,7 +78,8 @@ def plot_targets(paths: list[str | Path], out: str | Path, gpu: str = TARGET_GPU
     ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
     ax.set_yticks(list(ys), [b.target for b in bars], fontsize=8)
     ax.set_xlabel("measured / asked by the target (1 = met)")
-    right = max([b.share for b in bars] + [lim for _, lim in limited]) * 1.6  # room for the values written past
+    # Room past the longest bar for the value written beside it.
+    right = max([b.share for b in bars] + [lim for _, lim in limited]) * 1.6
     ax.set_xlim(left, right)
     ticks = [t for t in (0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4, 8, 16) if left <= t <= right]
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
