@@ -1,0 +1,34 @@
+"""The expand layout probe reads the same adapter rows stored row by row and column tile first (CPU, tiny)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from bench import REPO, child_env
+from benchmarks.kernels.expand_layout_probe import TILE, layout_rows
+
+
+def test_column_tile_first_rows_hold_each_tile_in_one_run():
+    rank, n_out, width = 4, 2 * TILE, TILE
+    b = torch.arange(rank * n_out, dtype=torch.float32).reshape(rank, n_out)
+    assert torch.equal(layout_rows(b, False, width), b.reshape(-1, width))
+    tiled = layout_rows(b, True, width)
+    # Slot t * rank + i holds row i's columns of tile t.
+    for t in range(n_out // TILE):
+        for i in range(rank):
+            assert torch.equal(tiled[t * rank + i], b[i, t * TILE:(t + 1) * TILE])
+
+
+def test_smoke_run_checks_both_layouts_against_the_reference(tmp_path):
+    out = tmp_path / "p.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.kernels.expand_layout_probe", "--smoke", "--tiles", "2",
+                          "--out", str(out)],
+                         cwd=REPO, env=child_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["scatter"], r["tiles"]) for r in rows] == [(True, 2), (False, 2)]
+    for r in rows:
+        assert r["max_rel_err"] < 1e-5, r
