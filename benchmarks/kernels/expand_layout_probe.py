@@ -125,50 +125,59 @@ class ProbeCase:
         return out
 
 
-def check(case: ProbeCase, tiles: int) -> float:
+def check(case: ProbeCase, tiles: int, block_n: int) -> float:
     """Largest difference of either layout's output from the reference, relative to its largest magnitude."""
     ref = case.reference()
     worst = 0.0
     for tiled in (False, True):
         case.out.zero_()
-        case.launch(tiled, tiles)
+        case.launch(tiled, tiles, block_n)
         worst = max(worst, float((case.out.float().cpu() - ref).abs().max() / ref.abs().max()))
     return worst
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=384)
+    parser.add_argument("--batches", default="384,2926",
+                        help="tokens of a step, comma list (384: S2's decode step at its batch; 2926: S2 n = 2000's "
+                             "admission step, ~10 tokens a segment over 278 adapters)")
     parser.add_argument("--adapters", default="300,100", help="comma list")
+    parser.add_argument("--groups", default="3,1", help="modules a launch adds to (3: q,k,v; 1: o), comma list")
     parser.add_argument("--tiles", default="1,2,4", help="column tiles a program walks, comma list")
+    parser.add_argument("--block-n", type=int, default=TILE, choices=(32, 64, TILE),
+                        help="columns a program's tile reads (under 128: several tiles a 128-column run)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, checks only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.smoke
     device = "cuda" if gpu else "cpu"
     # The interpreter's bf16 dot is wrong: the smoke run checks the addressing in fp32 at tiny widths.
-    dtype, n_out, width, batch = (torch.bfloat16, 4096, 4096, args.batch) if gpu else (torch.float32, 256, 128, 24)
+    dtype, n_out, width = (torch.bfloat16, 4096, 4096) if gpu else (torch.float32, 256, 128)
+    batches = [int(b) for b in args.batches.split(",")] if gpu else [24]
     adapter_counts = [int(a) for a in args.adapters.split(",")] if gpu else [12]
-    results = {"gpu": torch.cuda.get_device_name() if gpu else "cpu", "batch": batch, "rows": []}
+    results = {"gpu": torch.cuda.get_device_name() if gpu else "cpu", "rows": []}
     if gpu:
         results["copy_gbs"] = copy_bandwidth_gbs()
-    for adapters in adapter_counts:
-        for scatter in (True, False):
-            case = ProbeCase(batch, adapters, 3, n_out, width, scatter, dtype, device)
-            for tiles in (int(t) for t in args.tiles.split(",")):
-                if n_out % (TILE * tiles):
-                    continue
-                err = check(case, tiles)
-                row = {"adapters": adapters, "scatter": scatter, "tiles": tiles, "max_rel_err": err,
-                       "rows_mb": case.rows_bytes / 1e6}
-                for tiled in (False, True):
-                    ms = time_graph(lambda: case.launch(tiled, tiles), iters=50)
-                    row["tiled_us" if tiled else "rows_us"] = ms * 1e3
-                    row["tiled_gbs" if tiled else "rows_gbs"] = case.rows_bytes / (ms * 1e-3) / 1e9 if gpu else None
-                print(json.dumps(row), file=sys.stderr, flush=True)
-                results["rows"].append(row)
-                if err > 2e-2:
-                    raise SystemExit(f"layouts disagree with the reference: {row}")
+    cases = [(b, a, int(g), s) for b in batches for a in adapter_counts for g in args.groups.split(",")
+             for s in (True, False) if b >= a]
+    for i, (batch, adapters, groups, scatter) in enumerate(cases, 1):
+        case = ProbeCase(batch, adapters, groups, n_out, width, scatter, dtype, device)
+        for tiles in (int(t) for t in args.tiles.split(",")):
+            if n_out % (args.block_n * tiles):
+                continue
+            err = check(case, tiles, args.block_n)
+            row = {"batch": batch, "adapters": adapters, "groups": groups, "scatter": scatter, "tiles": tiles,
+                   "block_n": args.block_n,
+                   "max_rel_err": err, "rows_mb": case.rows_bytes / 1e6}
+            for tiled in (False, True):
+                ms = time_graph(lambda: case.launch(tiled, tiles, args.block_n), iters=50)
+                row["tiled_us" if tiled else "rows_us"] = ms * 1e3
+                row["tiled_gbs" if tiled else "rows_gbs"] = case.rows_bytes / (ms * 1e-3) / 1e9 if gpu else None
+            print(f"[{i}/{len(cases)}] {json.dumps(row)}", file=sys.stderr, flush=True)
+            results["rows"].append(row)
+            if err > 2e-2:
+                raise SystemExit(f"layouts disagree with the reference: {row}")
+        del case
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0

@@ -23,12 +23,16 @@ def test_column_tile_first_rows_hold_each_tile_in_one_run():
 
 
 def test_smoke_run_checks_both_layouts_against_the_reference(tmp_path):
+    # 64-column tiles: two to a 128-column run, so a tile starts inside its run as well as at its start.
     out = tmp_path / "p.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.kernels.expand_layout_probe", "--smoke", "--tiles", "2",
+                          "--groups", "3,1", "--block-n", "64",
                           "--out", str(out)],
                          cwd=REPO, env=child_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["scatter"], r["tiles"]) for r in rows] == [(True, 2), (False, 2)]
+    assert [(r["groups"], r["scatter"], r["tiles"]) for r in rows] == [
+        (3, True, 2), (3, False, 2), (1, True, 2), (1, False, 2)]
+    assert "[4/4]" in run.stderr
     for r in rows:
         assert r["max_rel_err"] < 1e-5, r
