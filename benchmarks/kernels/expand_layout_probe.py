@@ -7,8 +7,8 @@ over 300 adapters reads its rows at 0.55-0.71 of the copy rate and shrink, readi
 0.77-0.89 (docs/benchmarks.md, 2026-12-06).
 
 Two expand kernels that differ only in where a tile's rows are read from, over the same adapters' rows (S2's
-shapes: Llama-2-7B's q,k,v, ranks 64/32/16/8, a segment of tokens an adapter, as a decode step of `--batch`
-tokens over `--adapters` adapters), with the adapters' slots scattered over a pool four times their size (as a
+shapes: Llama-2-7B's q,k,v or o, ranks 64/32/16/8, a segment of tokens an adapter, as a decode or admission step
+of `--batches` tokens over `--adapters` adapters), with the adapters' slots scattered over a pool four times their size (as a
 pool long in use leaves them) or in one run (a fresh pool); GB/s of adapter rows read, beside a plain copy:
 
     python -m benchmarks.kernels.expand_layout_probe --out expand_layout_probe.json
@@ -28,7 +28,7 @@ from benchmarks.kernels.ceilings import copy_bandwidth_gbs
 from benchmarks.kernels.timing import time_graph
 
 RANKS = (64, 32, 16, 8)
-TILE = 128  # columns of a program's tile, and the run width of the column-tile-first layout
+TILE = 128  # columns of a run in the column-tile-first layout (the kernel's 128); a program's tile is --block-n
 BLOCK_M = 16
 
 
