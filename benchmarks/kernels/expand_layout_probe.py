@@ -76,7 +76,7 @@ def layout_rows(b: torch.Tensor, tiled: bool, width: int) -> torch.Tensor:
 
 
 class ProbeCase:
-    """A decode step's segments over adapters of S2's ranks, their Bᵀ rows in two pools (one a layout)."""
+    """A step's segments over adapters of S2's ranks, their Bᵀ rows in two pools (one a layout)."""
 
     def __init__(self, batch: int, adapters: int, groups: int, n_out: int, width: int, scatter: bool,
                  dtype: torch.dtype, device: str, seed: int = 0):
