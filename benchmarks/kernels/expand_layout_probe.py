@@ -28,14 +28,14 @@ from benchmarks.kernels.ceilings import copy_bandwidth_gbs
 from benchmarks.kernels.timing import time_graph
 
 RANKS = (64, 32, 16, 8)
-TILE = 128  # columns of a run in the column-tile-first layout (the kernel's 128); a program's tile is --block-n
+TILE = 128  # columns of a run in the column-tile-first layout; a program's tile is --block-n, at most this
 BLOCK_M = 16
 
 
 @triton.jit
 def _expand_probe_kernel(y_ptr, buf_ptr, slots_ptr, seg_start_ptr, seg_rank_ptr, seg_entry_ptr, out_ptr,
                          W, n_out, n_groups, n_tokens, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_N: tl.constexpr, TILES: tl.constexpr, TILED: tl.constexpr):
+                         BLOCK_N: tl.constexpr, TILES: tl.constexpr, TILED: tl.constexpr, RUN: tl.constexpr):
     """out[tokens of segment s, columns of group g] += y[g, tokens, :rank] @ Bᵀ tiles (y: [groups, T, BLOCK_R])."""
     s, g, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lo = tl.load(seg_start_ptr + s)
@@ -54,10 +54,10 @@ def _expand_probe_kernel(y_ptr, buf_ptr, slots_ptr, seg_start_ptr, seg_rank_ptr,
         for i in range(TILES):
             n0 = (c * TILES + i) * BLOCK_N
             if TILED:
-                flat = (n0 // 128) * rank * 128 + rows * 128 + n0 % 128
+                flat = (n0 // RUN) * rank * RUN + rows * RUN + n0 % RUN
             else:
                 flat = rows * n_out + n0
-            # A row's BLOCK_N values never straddle a slot: 128 divides W and BLOCK_N divides 128.
+            # A row's BLOCK_N values never straddle a slot: RUN divides W and BLOCK_N divides RUN.
             slot = tl.load(slots_ptr + entry + flat // W, mask=row_mask, other=0)
             w = tl.load(buf_ptr + slot.to(tl.int64)[:, None] * W + (flat % W)[:, None] + cols[None, :],
                         mask=row_mask[:, None], other=0.0)
@@ -111,12 +111,12 @@ class ProbeCase:
         self.rows_bytes = int(ranks.long().sum()) * groups * n_out * torch.finfo(dtype).bits // 8
         self._reference: torch.Tensor | None = None
 
-    def launch(self, tiled: bool, tiles: int, block_n: int = TILE, num_warps: int = 4) -> None:
+    def launch(self, tiled: bool, tiles: int, block_n: int = TILE) -> None:
         grid = (self.counts.numel(), self.groups, self.n_out // (block_n * tiles))
         _expand_probe_kernel[grid](self.y, self.bufs[tiled], self.slots, self.seg_start, self.ranks, self.entries,
                                    self.out, self.width, self.n_out, self.groups, self.y.shape[1],
                                    BLOCK_M=BLOCK_M, BLOCK_R=max(RANKS), BLOCK_N=block_n, TILES=tiles, TILED=tiled,
-                                   num_warps=num_warps)
+                                   RUN=TILE)
 
     def reference(self) -> torch.Tensor:
         """The sums in fp32 on the case's device, once."""
