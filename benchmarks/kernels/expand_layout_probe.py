@@ -57,9 +57,12 @@ def _expand_probe_kernel(y_ptr, buf_ptr, slots_ptr, seg_start_ptr, seg_rank_ptr,
                 flat = (n0 // RUN) * rank * RUN + rows * RUN + n0 % RUN
             else:
                 flat = rows * n_out + n0
-            # A row's BLOCK_N values never straddle a slot: RUN divides W and BLOCK_N divides RUN.
+            # A row's BLOCK_N values never straddle a slot: RUN divides W and BLOCK_N divides RUN. Both layouts
+            # start a row's piece at a multiple of BLOCK_N within its slot; saying so keeps the loads 16 bytes wide
+            # (the tiled offsets go through a runtime rank, where the compiler loses the alignment).
             slot = tl.load(slots_ptr + entry + flat // W, mask=row_mask, other=0)
-            w = tl.load(buf_ptr + slot.to(tl.int64)[:, None] * W + (flat % W)[:, None] + cols[None, :],
+            col0 = tl.multiple_of(flat % W, BLOCK_N)
+            w = tl.load(buf_ptr + slot.to(tl.int64)[:, None] * W + col0[:, None] + cols[None, :],
                         mask=row_mask[:, None], other=0.0)
             o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * (n_groups * n_out) + g * n_out + n0 + cols[None, :]
             o = tl.load(o_ptrs, mask=t_mask[:, None], other=0.0)
