@@ -13,12 +13,15 @@ pool long in use leaves them) or in one run (a fresh pool); GB/s of adapter rows
 
     python -m benchmarks.kernels.expand_layout_probe --out expand_layout_probe.json
     python -m benchmarks.kernels.expand_layout_probe --smoke --out /tmp/x.json   # CPU interpreter, checks only
+    python -m benchmarks.kernels.expand_layout_probe --ptx-loads --out /tmp/x.json   # sm_90 global loads, no GPU
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections import Counter
 
 import torch
 import triton
@@ -135,6 +138,24 @@ class ProbeCase:
         return self._reference
 
 
+def ptx_loads(tiled: bool, block_n: int = TILE) -> dict[str, int]:
+    """The global loads of one layout's kernel compiled for sm_90 (no GPU needed), by width. A fair probe gives
+    both layouts the same: a layout whose row pieces the compiler cannot prove aligned is read 2 bytes a load."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ints = ("W", "n_out", "n_groups", "n_tokens")
+    pointers = {"y_ptr": "*bf16", "buf_ptr": "*bf16", "slots_ptr": "*i32", "seg_start_ptr": "*i32",
+                "seg_rank_ptr": "*i32", "seg_entry_ptr": "*i32", "out_ptr": "*bf16"}
+    consts = {"BLOCK_M": BLOCK_M, "BLOCK_R": max(RANKS), "BLOCK_N": block_n, "TILES": 1, "TILED": tiled, "RUN": TILE}
+    signature = {**pointers, **{k: "i32" for k in ints}, **{k: "constexpr" for k in consts}}
+    # As a launch specialises them: every pointer and width a multiple of 16.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + len(ints))}
+    compiled = triton.compile(ASTSource(fn=_expand_probe_kernel, signature=signature, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return dict(Counter(re.findall(r"ld\.global[\w.]*", compiled.asm["ptx"])))
+
+
 def check(case: ProbeCase, tiles: int, block_n: int) -> float:
     """Largest difference of either layout's output from the reference, relative to its largest magnitude."""
     ref = case.reference()
@@ -157,8 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", type=int, default=TILE, choices=(32, 64, TILE),
                         help="columns a program's tile reads (under 128: several tiles a 128-column run)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter, checks only")
+    parser.add_argument("--ptx-loads", action="store_true",
+                        help="only count each layout's global loads in its sm_90 code (no GPU, no interpreter)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if args.ptx_loads:
+        loads = {"rows": ptx_loads(False, args.block_n), "tiled": ptx_loads(True, args.block_n)}
+        print(json.dumps(loads), file=sys.stderr)
+        with open(args.out, "w") as f:
+            json.dump(loads, f, indent=1)
+        return 0
     gpu = torch.cuda.is_available() and not args.smoke
     device = "cuda" if gpu else "cpu"
     # The interpreter's bf16 dot is wrong: the smoke run checks the addressing in fp32 at tiny widths.
