@@ -2,7 +2,8 @@
 Llama shapes, and report registers, spills and shared memory per specialisation.
 
 Catches compile errors and local-memory spills before spending device time. Uses Triton's bundled ptxas
-and cuobjdump; launches nothing. Usage: python -m benchmarks.kernels.compile_report
+and cuobjdump; launches nothing. Each line also counts the global loads by width.
+Usage: python -m benchmarks.kernels.compile_report
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
 from triton.runtime import jit as triton_jit  # noqa: E402
 
+from benchmarks.kernels.load_widths import load_widths  # noqa: E402
 from benchmarks.kernels.shapes import GROUPS, AdapterPool, llama_config, paged_kv  # noqa: E402
 from services.gpu_worker import kernels  # noqa: E402
 from services.gpu_worker.kernels.launch_shapes import set_launch_shapes  # noqa: E402
@@ -56,7 +58,8 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
     compiled = triton_compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
     consts = {k: v for k, v in kwargs.items() if k.isupper() or k in ("num_warps", "num_stages")}
     RESULTS.append({"kernel": self.__name__, "grid": tuple(grid), **_resources(compiled.asm["cubin"]),
-                    "smem_meta": compiled.metadata.shared, "consts": consts})
+                    "smem_meta": compiled.metadata.shared, "consts": consts,
+                    "load_bytes": load_widths(compiled.asm["ptx"])})
     return None
 
 
@@ -116,7 +119,7 @@ def main() -> None:
         seen.add(key)
         flag = "  <-- SPILLS" if r.get("LOCAL", 0) or r.get("STACK", 0) else ""
         print(f"{r['kernel']:<24} regs={r.get('REG')} stack={r.get('STACK')} local={r.get('LOCAL')} "
-              f"smem={r['smem_meta']} {r['consts']}{flag}")
+              f"smem={r['smem_meta']} loads(bytes:count)={r['load_bytes']} {r['consts']}{flag}")
 
 
 if __name__ == "__main__":

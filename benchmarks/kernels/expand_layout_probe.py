@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-from collections import Counter
 
 import torch
 import triton
@@ -138,11 +136,13 @@ class ProbeCase:
         return self._reference
 
 
-def ptx_loads(tiled: bool, block_n: int = TILE) -> dict[str, int]:
-    """The global loads of one layout's kernel compiled for sm_90 (no GPU needed), by width. A fair probe gives
+def ptx_loads(tiled: bool, block_n: int = TILE) -> dict[int, int]:
+    """The global loads of one layout's kernel compiled for sm_90 (no GPU needed), by bytes a load. A fair probe gives
     both layouts the same: a layout whose row pieces the compiler cannot prove aligned is read 2 bytes a load."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from benchmarks.kernels.load_widths import load_widths
 
     ints = ("W", "n_out", "n_groups", "n_tokens")
     pointers = {"y_ptr": "*bf16", "buf_ptr": "*bf16", "slots_ptr": "*i32", "seg_start_ptr": "*i32",
@@ -153,7 +153,7 @@ def ptx_loads(tiled: bool, block_n: int = TILE) -> dict[str, int]:
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + len(ints))}
     compiled = triton.compile(ASTSource(fn=_expand_probe_kernel, signature=signature, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return dict(Counter(re.findall(r"ld\.global[\w.]*", compiled.asm["ptx"])))
+    return load_widths(compiled.asm["ptx"])
 
 
 def check(case: ProbeCase, tiles: int, block_n: int) -> float:

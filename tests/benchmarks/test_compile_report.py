@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from bench import REPO, child_env
+from benchmarks.kernels.load_widths import load_widths
 
 # Compiles instead of launching, at Llama-3-8B shapes; the scripts below go on from it.
 PRELUDE = """
@@ -26,7 +27,8 @@ y = torch.zeros(len(modules), 512, 64, dtype=torch.bfloat16)
 out = torch.zeros(512, sum(out_dims), dtype=torch.bfloat16)
 kernels.lora_expand(y, pool.v(), token_adapter, pool.tables, modules, out, out_dims, config=cr.WHOLE_RANK, **grouped)
 (r,) = cr.RESULTS
-print(r["kernel"], r["consts"]["RANK_WHOLE"], r.get("REG"), r.get("LOCAL", 0), r.get("STACK", 0))
+print(r["kernel"], r["consts"]["RANK_WHOLE"], r["load_bytes"].get(16, 0), r.get("REG"), r.get("LOCAL", 0),
+      r.get("STACK", 0))
 """
 
 
@@ -35,6 +37,18 @@ def compile_env() -> dict[str, str]:
     env = child_env()
     env.pop("TRITON_INTERPRET", None)
     return env
+
+
+def test_load_widths_count_plain_loads_and_asynchronous_copies_by_bytes():
+    ptx = """
+    @%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+    ld.global.b16 { %rs1 }, [ %rd2 + 0 ];
+    ld.global.L1::evict_last.v2.b32 { %r5, %r6 }, [ %rd3 + 0 ];
+    cp.async.cg.shared.global [ %r100 + 0 ], [ %rd58 + 0 ], 0x10, %r101;
+    cp.async.ca.shared.global [ %r1 + 0 ], [ %rd5 + 0 ], 4;
+    st.global.v4.b32 [ %rd9 + 0 ], { %r1, %r2, %r3, %r4 };
+    """
+    assert load_widths(ptx) == {2: 1, 4: 1, 8: 1, 16: 2}
 
 
 def test_the_report_patches_the_launcher_modules_not_the_launcher_functions():
@@ -52,8 +66,9 @@ def test_the_whole_rank_expand_compiles_for_sm90_without_spills():
     run = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    kernel, whole, regs, local, stack = run.stdout.split()
+    kernel, whole, wide_loads, regs, local, stack = run.stdout.split()
     assert (kernel, whole, local, stack) == ("_expand_segment_kernel", "True", "0", "0")
+    assert int(wide_loads) >= 1  # its Bᵀ rows read 16 bytes a load
     assert 0 < int(regs) <= 255
 
 

@@ -50,4 +50,4 @@ def test_both_layouts_compile_to_the_same_wide_loads(tmp_path):
     assert run.returncode == 0, run.stderr
     loads = json.loads(out.read_text())
     assert loads["tiled"] == loads["rows"]
-    assert loads["rows"].get("ld.global.v4.b32", 0) >= 1, loads
+    assert loads["rows"].get("16", 0) >= 1, loads
