@@ -139,21 +139,18 @@ class ProbeCase:
 def ptx_loads(tiled: bool, block_n: int = TILE) -> dict[int, int]:
     """The global loads of one layout's kernel compiled for sm_90 (no GPU needed), by bytes a load. A fair probe gives
     both layouts the same: a layout whose row pieces the compiler cannot prove aligned is read 2 bytes a load."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    import benchmarks.kernels.compile_report as report  # refuses the interpreter: it compiles real sm_90 code
 
-    from benchmarks.kernels.load_widths import load_widths
-
-    ints = ("W", "n_out", "n_groups", "n_tokens")
-    pointers = {"y_ptr": "*bf16", "buf_ptr": "*bf16", "slots_ptr": "*i32", "seg_start_ptr": "*i32",
-                "seg_rank_ptr": "*i32", "seg_entry_ptr": "*i32", "out_ptr": "*bf16"}
-    consts = {"BLOCK_M": BLOCK_M, "BLOCK_R": max(RANKS), "BLOCK_N": block_n, "TILES": 1, "TILED": tiled, "RUN": TILE}
-    signature = {**pointers, **{k: "i32" for k in ints}, **{k: "constexpr" for k in consts}}
-    # As a launch specialises them: every pointer and width a multiple of 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers) + len(ints))}
-    compiled = triton.compile(ASTSource(fn=_expand_probe_kernel, signature=signature, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return load_widths(compiled.asm["ptx"])
+    # A tiny case's launch, compiled as the compile report compiles any launch (its arguments specialised as on
+    # the GPU: widths and token counts multiples of 16).
+    case = ProbeCase(32, 8, 1, 2 * TILE, TILE, True, torch.bfloat16, "cpu")
+    launch = report.triton_jit.JITFunction.run
+    report.triton_jit.JITFunction.run = report._compile_instead_of_launch
+    try:
+        case.launch(tiled, 1, block_n)
+    finally:
+        report.triton_jit.JITFunction.run = launch
+    return report.RESULTS.pop()["load_bytes"]
 
 
 def check(case: ProbeCase, tiles: int, block_n: int) -> float:

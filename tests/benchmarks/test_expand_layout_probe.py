@@ -39,8 +39,8 @@ def test_smoke_run_checks_both_layouts_against_the_reference(tmp_path):
 
 
 def test_both_layouts_compile_to_the_same_wide_loads(tmp_path):
-    # Without its alignment hint the column-tile-first kernel read its rows 2 bytes a load (64 more scalar loads
-    # than row by row) and timed 3-6x slower for it on an H100: a probe defect, not the layout's cost.
+    # Without its alignment hint the column-tile-first kernel read its rows 2 bytes a load (at 128 columns, 64 more
+    # loads a thread than row by row) and timed 3-6x slower for it on an H100: a probe defect, not the layout's cost.
     out = tmp_path / "loads.json"
     env = child_env()
     env.pop("TRITON_INTERPRET", None)
