@@ -36,7 +36,7 @@ def _expand_token_kernel(
     out_ptr, stride_ot, W, y_rank, tiles_per_prog,
     M0, M1, M2, D0, D1, D2, C0, C1, C2,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    COLS_FIRST: tl.constexpr,
+    COLS_FIRST: tl.constexpr, Y_WIDE: tl.constexpr,
 ):
     if COLS_FIRST:
         col_pid, g, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -54,7 +54,12 @@ def _expand_token_kernel(
     first = tl.load(b_off_ptr + a * 7 + m)
     list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
     n_chunks = (out_dim + W - 1) // W
-    y_row = y_ptr + g.to(tl.int64) * stride_yg + t.to(tl.int64) * stride_yt
+    if Y_WIDE:  # as in _expand_segment
+        y_row = y_ptr + tl.multiple_of(g.to(tl.int64) * stride_yg + t.to(tl.int64) * stride_yt, 8)
+        rank8 = tl.multiple_of((rank + 7) // 8 * 8, 8)
+    else:
+        y_row = y_ptr + g.to(tl.int64) * stride_yg + t.to(tl.int64) * stride_yt
+        rank8 = rank
     o_row = out_ptr + t.to(tl.int64) * stride_ot + module_slot(g, C0, C1, C2)
     n_hi = tl.minimum(out_dim, n_lo + tiles_per_prog * BLOCK_N)
     # A program may walk several column tiles (tiles_per_prog); each tile's output is loaded before its
@@ -69,7 +74,8 @@ def _expand_token_kernel(
         for r0 in range(0, rank, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
             row_mask = rows < rank
-            yv = tl.load(y_row + rows, mask=row_mask, other=0.0).to(tl.float32)
+            yv = tl.load(y_row + rows, mask=rows < rank8, other=0.0)
+            yv = tl.where(row_mask, yv, 0.0).to(tl.float32)
             w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W, n_chunks,
                                   BLOCK_N, ALIGNED, EVEN)
             acc += tl.sum(w.to(tl.float32) * yv[:, None], axis=0)
@@ -90,7 +96,7 @@ def _expand_segment_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr,
     SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr, COLS_FIRST: tl.constexpr,
-    RANK_WHOLE: tl.constexpr, DEAL: tl.constexpr, SEG_BLOCK: tl.constexpr,
+    RANK_WHOLE: tl.constexpr, DEAL: tl.constexpr, SEG_BLOCK: tl.constexpr, Y_WIDE: tl.constexpr,
 ):
     if COLS_FIRST:
         col_pid, seg_pid = tl.program_id(0), tl.program_id(2)
@@ -117,12 +123,13 @@ def _expand_segment_kernel(
                 _expand_dealt(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
                               order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank,
                               n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R,
-                              BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, SEG_BLOCK)
+                              BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, Y_WIDE, SEG_BLOCK)
         if walk:
             _expand_walked(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
                            order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W,
                            y_rank, chunk_tokens, n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim,
-                           C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
+                           C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE,
+                           Y_WIDE)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, seg_pid, tl.program_id(1), HAS_ITEMS)
         a, rank, p_lo, p_hi = segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank,
@@ -131,7 +138,8 @@ def _expand_segment_kernel(
             return
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim,
-                        C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
+                        C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE,
+                        Y_WIDE)
 
 
 @triton.jit
@@ -140,7 +148,7 @@ def _expand_walked(
     stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank, chunk_tokens, n_seg, seg_pid, seg_programs,
     m, g, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, Y_WIDE: tl.constexpr,
 ):
     """Program seg_pid of seg_programs walks segments seg_pid, seg_pid + seg_programs, ... whole (their chunk
     on the grid's second axis)."""
@@ -151,7 +159,7 @@ def _expand_walked(
             _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
                             stride_slots, b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo,
                             n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
-                            PRECISION, RANK_WHOLE)
+                            PRECISION, RANK_WHOLE, Y_WIDE)
 
 
 @triton.jit
@@ -160,7 +168,8 @@ def _expand_dealt(
     stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank, n_seg, seg_pid, seg_programs,
     m, g, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, SEG_BLOCK: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, Y_WIDE: tl.constexpr,
+    SEG_BLOCK: tl.constexpr,
 ):
     """The busy segments' BLOCK_M-row token tiles dealt out in turn (dealt_tile). Walking whole segments, a
     graph's step over 5 adapters at batch 512 kept 5 of its 32 programs a column tile busy, each with ~7 tiles
@@ -176,7 +185,16 @@ def _expand_dealt(
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, tl.sum(tl.where(pick, adapter, 0), axis=0), m, g,
                         tl.sum(tl.where(pick, rank, 0), axis=0), p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
-                        BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
+                        BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, Y_WIDE)
+
+
+@triton.jit
+def load_y_tile(y_rows, rows, p_mask, rank, rank8):
+    """y[tokens, rows], zero past the rank. Loaded up to rank8 (the rank, or the rank rounded up to whole 16-byte
+    pieces of a row whose length is a multiple of them): a mask that changes within a 16-byte piece makes every
+    element a load of its own. Rows rank .. rank8 - 1 are zeroed here, not trusted to be zero in y."""
+    y = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & (rows < rank8)[None, :], other=0.0)
+    return tl.where((rows < rank)[None, :], y, 0.0)
 
 
 @triton.jit
@@ -185,13 +203,20 @@ def _expand_segment(
     out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
-    RANK_WHOLE: tl.constexpr,
+    RANK_WHOLE: tl.constexpr, Y_WIDE: tl.constexpr,
 ):
     """Positions p_lo .. p_hi - 1 of one adapter's segment, one program's column tiles of module g."""
     first = tl.load(b_off_ptr + a * 7 + m)
     list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
     n_chunks = (out_dim + W - 1) // W
-    y_base = y_ptr + g.to(tl.int64) * stride_yg
+    if Y_WIDE:
+        # y's strides are multiples of 8 elements (16 bytes) and so is rank8: its rows load 16 bytes at a time.
+        stride_yt = tl.multiple_of(stride_yt, 8)
+        y_base = y_ptr + tl.multiple_of(g.to(tl.int64) * stride_yg, 8)
+        rank8 = tl.multiple_of((rank + 7) // 8 * 8, 8)
+    else:
+        y_base = y_ptr + g.to(tl.int64) * stride_yg
+        rank8 = rank
     col0 = module_slot(g, C0, C1, C2)
     for p0 in range(p_lo, p_hi, BLOCK_M):
         pos = p0 + tl.arange(0, BLOCK_M)
@@ -207,7 +232,7 @@ def _expand_segment(
             # the program's innermost loop, so the next tile's Bᵀ rows and outputs can be loaded while this
             # one's are summed (a decode segment's rank loop has only one to four steps to overlap).
             whole = tl.arange(0, BLOCK_R)
-            y_whole = tl.load(y_rows + whole[None, :], mask=p_mask[:, None] & (whole < rank)[None, :], other=0.0)
+            y_whole = load_y_tile(y_rows, whole, p_mask, rank, rank8)
         # Each Bᵀ tile is read once for all of the segment's tokens in this token tile.
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
@@ -225,7 +250,7 @@ def _expand_segment(
                 for r0 in range(0, rank, BLOCK_R):
                     rows = r0 + tl.arange(0, BLOCK_R)
                     row_mask = rows < rank
-                    yt = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & row_mask[None, :], other=0.0)
+                    yt = load_y_tile(y_rows, rows, p_mask, rank, rank8)
                     w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W,
                                           n_chunks, BLOCK_N, ALIGNED, EVEN)
                     acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
@@ -267,6 +292,8 @@ class ExpandConfig:
     # and read HBM at 64% of the peak while shrink, beside it, read at 80%. Chosen from
     # LaunchShapes.expand_registers (choose_expand_config).
     max_registers: int = 0
+    # y's rows loaded 16 bytes a load where its strides and width allow (load_y_tile); off: 2 bytes a load.
+    y_wide: bool = True
 
 
 def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, ...], width: int, max_rank: int,
@@ -445,6 +472,8 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         require(grid[0] <= 65535, f"cols_first: {grid[0]} segments or tokens exceed the grid's last axis")
         grid = (grid[2], grid[1], grid[0])
     common["COLS_FIRST"] = cfg.cols_first
+    # y's rows read 16 bytes a load: y's strides and width in whole 16-byte pieces (a width of 8, 16, ... ranks).
+    common["Y_WIDE"] = cfg.y_wide and y.stride(2) == 1 and all(n % 8 == 0 for n in (y.stride(0), y.stride(1), y_rank))
     # A planned launch serves every layer of the step: its later layers may skip Triton's binding.
     kernel = CompiledLaunch(kernel_fn)[grid] if plan is not None else kernel_fn[grid]
 
