@@ -110,7 +110,7 @@ def main() -> int:
         engine._local_adapters.update(packed)
         started, built = time.perf_counter(), builds.snapshot()
         warm_up(engine, cfg, adapters=list(packed))
-        worker_warmup = {"seconds": round(time.perf_counter() - started, 1), "kernel_builds": builds.summary(built)}
+        worker_warmup = {"seconds": round(time.perf_counter() - started, 3), "kernel_builds": builds.summary(built)}
     rng = np.random.default_rng(0)
     names = []
     for i in range(args.adapters):
