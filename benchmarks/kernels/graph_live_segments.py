@@ -39,10 +39,10 @@ from services.gpu_worker.kernels.lora_shrink import GRAPH_FEW_SHRINK_LONG_M, cho
 # that holds tokens, from the step's chunk list, as the engine's eager steps do (lora_groups.ChunkItems);
 # without it every segment gets the longest one's chunk count.
 # Each kernel's launch shape can be changed on its own. Expand: "cf" programs in column-tile order, "emN" N-row
-# tiles, "yn" y read 2 bytes a load, "nN" N-column tiles, "rN" N rank rows a dot, "wN" N warps, "sN" N pipeline
-# stages, "tN" N column tiles walked by one program, "rw" the whole rank in one dot (with r64: every rank up to
-# 64), the program's column tiles its inner loop, "ed" the busy segments' token tiles dealt to the programs in
-# turn (with pN), "gN" at most N registers a thread (more programs a multiprocessor, or spills). Shrink:
+# tiles, "nN" N-column tiles, "rN" N rank rows a dot, "wN" N warps, "sN" N pipeline stages, "tN" N column tiles
+# walked by one program, "rw" the whole rank in one dot (with r64: every rank up to 64), the program's column
+# tiles its inner loop, "ed" the busy segments' token tiles dealt to the programs in turn (with pN), "gN" at most
+# N registers a thread (more programs a multiprocessor, or spills). Shrink:
 # "skN" N-input tiles, "sxN" the inputs split N ways, "srN" N rank columns a dot, "swN" N warps, "ssN" N
 # pipeline stages, "smN" N-token tiles, "slN" segments of more than N tokens in GRAPH_FEW_SHRINK_LONG_M-token
 # tiles (programs sharing segments out only; by default from 16, "sl0": one height), "sd" its tiles dealt as
@@ -102,8 +102,6 @@ class Plan:
                 fields["expand"] = fields.get("expand", ()) + (("cols_first", True),)
             elif word == "rw":  # expand's whole rank in one step, its column tiles the inner loop
                 fields["expand"] = fields.get("expand", ()) + (("rank_whole", True),)
-            elif word == "yn":  # expand reads y 2 bytes a load, as before load_y_tile's wide loads
-                fields["expand"] = fields.get("expand", ()) + (("y_wide", False),)
             elif word == "ed":  # expand's token tiles dealt to its programs in turn (shared programs only)
                 fields["expand"] = fields.get("expand", ()) + (("deal_tiles", True), ("chunk_tokens", 0))
             elif word == "sd":  # shrink's, likewise
@@ -280,7 +278,7 @@ def main() -> None:
         plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
                  "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound live 16 p2 ed", "bound live 16 p2 sd",
                  "bound live 16 p2 sd sl0", "bound n16 t2 w2",
-                 "bound sk16 sw2", "bound rw r64 n16 t2", "bound yn", "bound g48 sg64", "exact live 16", "exact")
+                 "bound sk16 sw2", "bound rw r64 n16 t2", "bound g48 sg64", "exact live 16", "exact")
     else:
         model, device, dtype, layers = args.model, "cuda", torch.bfloat16, 8
         plans = tuple(args.plan) or (PLANS if args.plans == "graph" else SHAPE_PLANS)

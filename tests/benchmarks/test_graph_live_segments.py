@@ -18,8 +18,8 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     plans = ("bound", "bound live 1", "bound live 16 m64", "bound live 16 p2", "bound live 16 p2 sc2 ec2",
              "bound live 16 p2 sl2", "bound live 16 p2 sl0", "bound live 16 p2 ed", "bound live 16 p2 sd",
-             "bound live 16 p2 sd sl0", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "bound yn",
-             "bound g48 sg64", "exact live 16", "exact")
+             "bound live 16 p2 sd sl0", "bound n16 t2 w2", "bound sk16 sw2", "bound rw r64 n16 t2", "bound g48 sg64",
+             "exact live 16", "exact")
     assert [(r["distinct_adapters"], r["plan"]) for r in rows] == [(d, plan) for d in (1, 3) for plan in plans]
     by_plan = {(r["distinct_adapters"], r["plan"]): r for r in rows}
     # One segment per token (8) unless the count is exact; the input split follows the plan.
@@ -46,8 +46,6 @@ def test_smoke_run_plans_the_bound_and_the_live_segments_differently(tmp_path):
     # Registers a thread: the graph's expand is capped by default (kernel_shapes expand_registers), shrink is not.
     assert by_plan[(3, "bound")]["expand"]["max_registers"] == 56 and by_plan[(3, "bound")]["shrink"]["max_registers"] == 0
     assert changed("bound g48 sg64", "expand") == {"max_registers": 48}
-    assert by_plan[(3, "bound")]["expand"]["y_wide"] is True
-    assert changed("bound yn", "expand") == {"y_wide": False} and changed("bound yn", "shrink") == {}
     assert changed("bound g48 sg64", "shrink") == {"max_registers": 64}
     assert changed("bound rw r64 n16 t2", "expand") == {"rank_whole": True, "block_r": 64, "block_n": 16,
                                                          "tiles_per_prog": 2}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import replace
 
 import pytest
 import torch
@@ -309,37 +308,3 @@ def test_a_few_adapter_graph_deals_its_expand_tiles_when_asked():
     with launch_shapes_set("graph_few_expand_deal,graph_few_chunk=64"):
         cfg = choose_expand_config(**common, **few)
         assert cfg.deal_tiles and cfg.chunk_tokens == 0
-
-
-@pytest.mark.parametrize("form", SEGMENT_FORMS)
-@pytest.mark.parametrize("config", [ExpandConfig(block_r=32, block_n=16, block_m=64),
-                                    ExpandConfig(block_r=64, block_n=16, tiles_per_prog=3, rank_whole=True)],
-                         ids=["rows64", "rank_whole"])
-def test_y_tiles_read_in_whole_pieces_ignore_what_lies_past_the_rank(form, config):
-    # A thread's share of these y tiles is whole 16-byte pieces (y_wide_fits), so they load up to the rank rounded
-    # up to a piece (ranks 1 and 7 here read past their own). y holds NaN past every token's rank: the output must
-    # not see it, and reading wide or up to the rank alone adds the same bits.
-    from services.gpu_worker.kernels.lora_expand import y_wide_fits
-    lp = LoraPool(ALIGNED_CFG, torch.float32, seed=47)
-    gen = torch.Generator().manual_seed(48)
-    token_adapter, kwargs = make_batch(form, lp.num_adapters, gen)
-    modules = GROUPS["qkv"]
-    max_rank = lp.max_rank(token_adapter, modules)
-    y = torch.randn(len(modules), token_adapter.shape[0], max_rank, generator=gen)
-    for g, m in enumerate(modules):
-        for t, a in enumerate(token_adapter.tolist()):
-            y[g, t, int(lp.tables.ranks[a, m]) if a >= 0 else 0:] = float("nan")
-    assert max_rank == 64 and y_wide_fits(y, config)
-    assert {int(r) for r in lp.tables.ranks[:, list(modules)].flatten()} & {1, 7}
-    out_dims = tuple(ALIGNED_CFG.module_dims(MODULES[m])[1] for m in modules)
-    base = torch.randn(token_adapter.shape[0], sum(out_dims), generator=gen)
-    outs = []
-    for wide in (True, False):
-        out = base.clone()
-        lora_expand(y, lp.v_buf, token_adapter, lp.tables, modules, out, out_dims,
-                    config=replace(config, y_wide=wide, chunk_tokens=16 if form == "segments" else 0), **kwargs)
-        outs.append(out)
-    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
-    ref = base.clone()
-    reference.lora_expand(y.nan_to_num(0.0), lp.v_buf, token_adapter, lp.tables, modules, ref, out_dims)
-    assert_matches(outs[0] - base, ref - base, torch.float32)

@@ -90,7 +90,7 @@ def _expand_segment_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LIVE: tl.constexpr,
     SHARED: tl.constexpr, HAS_ITEMS: tl.constexpr, PRECISION: tl.constexpr, COLS_FIRST: tl.constexpr,
-    RANK_WHOLE: tl.constexpr, DEAL: tl.constexpr, SEG_BLOCK: tl.constexpr, Y_PIECE: tl.constexpr,
+    RANK_WHOLE: tl.constexpr, DEAL: tl.constexpr, SEG_BLOCK: tl.constexpr,
 ):
     if COLS_FIRST:
         col_pid, seg_pid = tl.program_id(0), tl.program_id(2)
@@ -117,13 +117,12 @@ def _expand_segment_kernel(
                 _expand_dealt(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
                               order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank,
                               n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R,
-                              BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, Y_PIECE, SEG_BLOCK)
+                              BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, SEG_BLOCK)
         if walk:
             _expand_walked(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, seg_start_ptr, seg_adapter_ptr,
                            order_ptr, slots_ptr, stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W,
                            y_rank, chunk_tokens, n_seg, seg_pid, seg_programs, m, g, n_lo, n_hi, out_dim,
-                           C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE,
-                           Y_PIECE)
+                           C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
     else:
         s, chunk = segment_chunk(items_ptr, stride_items, seg_pid, tl.program_id(1), HAS_ITEMS)
         a, rank, p_lo, p_hi = segment_work(seg_start_ptr, seg_adapter_ptr, ranks_ptr, s, chunk, m, y_rank,
@@ -132,8 +131,7 @@ def _expand_segment_kernel(
             return
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim,
-                        C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE,
-                        Y_PIECE)
+                        C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
 
 
 @triton.jit
@@ -142,7 +140,7 @@ def _expand_walked(
     stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank, chunk_tokens, n_seg, seg_pid, seg_programs,
     m, g, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, Y_PIECE: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr,
 ):
     """Program seg_pid of seg_programs walks segments seg_pid, seg_pid + seg_programs, ... whole (their chunk
     on the grid's second axis)."""
@@ -153,7 +151,7 @@ def _expand_walked(
             _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr,
                             stride_slots, b_off_ptr, out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo,
                             n_hi, out_dim, C0, C1, C2, BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER,
-                            PRECISION, RANK_WHOLE, Y_PIECE)
+                            PRECISION, RANK_WHOLE)
 
 
 @triton.jit
@@ -162,8 +160,7 @@ def _expand_dealt(
     stride_slots, ranks_ptr, b_off_ptr, out_ptr, stride_ot, W, y_rank, n_seg, seg_pid, seg_programs,
     m, g, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, Y_PIECE: tl.constexpr,
-    SEG_BLOCK: tl.constexpr,
+    HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr, RANK_WHOLE: tl.constexpr, SEG_BLOCK: tl.constexpr,
 ):
     """The busy segments' BLOCK_M-row token tiles dealt out in turn (dealt_tile). Walking whole segments, a
     graph's step over 5 adapters at batch 512 kept 5 of its 32 programs a column tile busy, each with ~7 tiles
@@ -179,18 +176,7 @@ def _expand_dealt(
         _expand_segment(y_ptr, stride_yg, stride_yt, buf_ptr, stride_buf, order_ptr, slots_ptr, stride_slots,
                         b_off_ptr, out_ptr, stride_ot, W, tl.sum(tl.where(pick, adapter, 0), axis=0), m, g,
                         tl.sum(tl.where(pick, rank, 0), axis=0), p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
-                        BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE, Y_PIECE)
-
-
-@triton.jit
-def load_y_tile(y_rows, rows, p_mask, rank, rank_up, WIDE: tl.constexpr):
-    """y[tokens, rows], zero past the rank. WIDE: loaded up to rank_up, the rank rounded up to whole 16-byte pieces
-    of a row whose length is a multiple of them (a mask that changes within a piece makes every element a load of
-    its own), and rows rank .. rank_up - 1 zeroed here, not trusted to be zero in y."""
-    if WIDE:
-        y = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & (rows < rank_up)[None, :], other=0.0)
-        return tl.where((rows < rank)[None, :], y, 0.0)
-    return tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & (rows < rank)[None, :], other=0.0)
+                        BLOCK_M, BLOCK_R, BLOCK_N, ALIGNED, EVEN, HAS_ORDER, PRECISION, RANK_WHOLE)
 
 
 @triton.jit
@@ -199,21 +185,13 @@ def _expand_segment(
     out_ptr, stride_ot, W, a, m, g, rank, p_lo, p_hi, n_lo, n_hi, out_dim, C0, C1, C2,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGNED: tl.constexpr, EVEN: tl.constexpr, HAS_ORDER: tl.constexpr, PRECISION: tl.constexpr,
-    RANK_WHOLE: tl.constexpr, Y_PIECE: tl.constexpr,
+    RANK_WHOLE: tl.constexpr,
 ):
     """Positions p_lo .. p_hi - 1 of one adapter's segment, one program's column tiles of module g."""
     first = tl.load(b_off_ptr + a * 7 + m)
     list_ptr = slots_ptr + a.to(tl.int64) * stride_slots
     n_chunks = (out_dim + W - 1) // W
-    if Y_PIECE > 0:
-        # y's strides are whole 16-byte pieces (Y_PIECE elements, y_wide_fits) and so is the rank rounded up:
-        # its tiles load 16 bytes at a time.
-        stride_yt = tl.multiple_of(stride_yt, Y_PIECE)
-        y_base = y_ptr + tl.multiple_of(g.to(tl.int64) * stride_yg, Y_PIECE)
-        rank_up = tl.multiple_of((rank + Y_PIECE - 1) // Y_PIECE * Y_PIECE, Y_PIECE)
-    else:
-        y_base = y_ptr + g.to(tl.int64) * stride_yg
-        rank_up = rank  # unused
+    y_base = y_ptr + g.to(tl.int64) * stride_yg
     col0 = module_slot(g, C0, C1, C2)
     for p0 in range(p_lo, p_hi, BLOCK_M):
         pos = p0 + tl.arange(0, BLOCK_M)
@@ -229,7 +207,7 @@ def _expand_segment(
             # the program's innermost loop, so the next tile's Bᵀ rows and outputs can be loaded while this
             # one's are summed (a decode segment's rank loop has only one to four steps to overlap).
             whole = tl.arange(0, BLOCK_R)
-            y_whole = load_y_tile(y_rows, whole, p_mask, rank, rank_up, Y_PIECE > 0)
+            y_whole = tl.load(y_rows + whole[None, :], mask=p_mask[:, None] & (whole < rank)[None, :], other=0.0)
         # Each Bᵀ tile is read once for all of the segment's tokens in this token tile.
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
@@ -247,7 +225,7 @@ def _expand_segment(
                 for r0 in range(0, rank, BLOCK_R):
                     rows = r0 + tl.arange(0, BLOCK_R)
                     row_mask = rows < rank
-                    yt = load_y_tile(y_rows, rows, p_mask, rank, rank_up, Y_PIECE > 0)
+                    yt = tl.load(y_rows + rows[None, :], mask=p_mask[:, None] & row_mask[None, :], other=0.0)
                     w = load_adapter_tile(buf_ptr, stride_buf, list_ptr, first, rows, row_mask, n0, out_dim, W,
                                           n_chunks, BLOCK_N, ALIGNED, EVEN)
                     acc = tl.dot(yt, w.to(yt.dtype), acc, input_precision=PRECISION)
@@ -289,20 +267,6 @@ class ExpandConfig:
     # and read HBM at 64% of the peak while shrink, beside it, read at 80%. Chosen from
     # LaunchShapes.expand_registers (choose_expand_config).
     max_registers: int = 0
-    # Segment form: y's rows loaded 16 bytes a load where y_wide_fits; off: 2 bytes a load.
-    y_wide: bool = True
-
-
-def y_wide_fits(y: torch.Tensor, cfg: ExpandConfig) -> bool:
-    """Whether the segment form's y tiles load 16 bytes at a time (load_y_tile): y's strides and width are whole
-    16-byte pieces, and so is a thread's share of a tile. Below that share the wide loads gain little and cost
-    registers: the 16 x 16 tiles of a decode graph's launch over many adapters (4 bytes a thread) went from 16 to
-    56 bytes of stack a thread at its 56-register cap on sm_90, while the 64 x 32 tiles of a few-adapter prefill
-    went from 16 2-byte loads a rank step to 2 16-byte ones and from 254 to 213 registers."""
-    piece = 16 // y.element_size()
-    share = cfg.block_m * cfg.block_r // (32 * cfg.num_warps)
-    return (y.stride(2) == 1 and share >= piece and share % piece == 0
-            and all(n % piece == 0 for n in (y.stride(0), y.stride(1), y.shape[2])))
 
 
 def choose_expand_config(num_tokens: int, num_groups: int, out_dims: tuple[int, ...], width: int, max_rank: int,
@@ -468,7 +432,6 @@ def lora_expand(y: torch.Tensor, v_buf: torch.Tensor, token_adapter: torch.Tenso
         if cfg.rank_whole and cfg.block_r < y_rank:
             raise ValueError(f"rank_whole: block_r {cfg.block_r} is below the batch's max rank {y_rank}")
         common["RANK_WHOLE"] = cfg.rank_whole
-        common["Y_PIECE"] = 16 // y.element_size() if cfg.y_wide and y_wide_fits(y, cfg) else 0
         common.update(deal_constexprs(cfg, seg, live_segments, num_segments))
         grid = (seg.axis, seg.chunks, num_groups * n_col_groups)
         kernel_fn = _expand_segment_kernel
