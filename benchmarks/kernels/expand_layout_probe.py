@@ -144,13 +144,9 @@ def ptx_loads(tiled: bool, block_n: int = TILE) -> dict[int, int]:
     # A tiny case's launch, compiled as the compile report compiles any launch (its arguments specialised as on
     # the GPU: widths and token counts multiples of 16).
     case = ProbeCase(32, 8, 1, 2 * TILE, TILE, True, torch.bfloat16, "cpu")
-    launch = report.triton_jit.JITFunction.run
-    report.triton_jit.JITFunction.run = report._compile_instead_of_launch
-    try:
+    with report.compiling_launches() as results:
         case.launch(tiled, 1, block_n)
-    finally:
-        report.triton_jit.JITFunction.run = launch
-    return report.RESULTS.pop()["load_bytes"]
+    return results.pop()["load_bytes"]
 
 
 def check(case: ProbeCase, tiles: int, block_n: int) -> float:

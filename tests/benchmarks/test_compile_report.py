@@ -4,8 +4,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from bench import REPO, child_env
+from bench import REPO
 from benchmarks.kernels.load_widths import load_widths
+from tests.benchmarks.sm90 import compile_env
 
 # Compiles instead of launching, at Llama-3-8B shapes; the scripts below go on from it.
 PRELUDE = """
@@ -32,13 +33,6 @@ c = r["consts"]
 narrow = r["load_bytes"].get(2, 0) - c["BLOCK_M"] * c["BLOCK_R"] // (32 * c["num_warps"])
 print(r["kernel"], c["RANK_WHOLE"], narrow, r.get("REG"), r.get("LOCAL", 0), r.get("STACK", 0))
 """
-
-
-def compile_env() -> dict[str, str]:
-    """A child's environment without the Triton interpreter the test session runs under."""
-    env = child_env()
-    env.pop("TRITON_INTERPRET", None)
-    return env
 
 
 def test_load_widths_count_plain_loads_and_asynchronous_copies_by_bytes():

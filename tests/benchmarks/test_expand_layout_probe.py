@@ -9,6 +9,7 @@ import torch
 
 from bench import REPO, child_env
 from benchmarks.kernels.expand_layout_probe import TILE, layout_rows
+from tests.benchmarks.sm90 import compile_env
 
 
 def test_column_tile_first_rows_hold_each_tile_in_one_run():
@@ -42,11 +43,9 @@ def test_both_layouts_compile_to_the_same_wide_loads(tmp_path):
     # Without its alignment hint the column-tile-first kernel read its rows 2 bytes a load (at 128 columns, 64 more
     # loads a thread than row by row) and timed 3-6x slower for it on an H100: a probe defect, not the layout's cost.
     out = tmp_path / "loads.json"
-    env = child_env()
-    env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, "-m", "benchmarks.kernels.expand_layout_probe", "--ptx-loads",
                           "--block-n", "64", "--out", str(out)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=REPO, env=compile_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     loads = json.loads(out.read_text())
     assert loads["tiled"] == loads["rows"]
