@@ -1,0 +1,150 @@
+"""The matmul rate a GPU holds under load, against the burst the roofline's ceiling is measured from.
+
+`bench/roofline.py` times a few large bf16 products back to back: a burst, at the SM clock the GPU reaches before
+its power draw catches up. Served steps that are bound by their FLOPs (an admission step's GEMMs, ~95 ms at a time
+for S-GQA) run long enough for the power limit to pull the clock down. This runs the same product without pause
+for `--seconds`, in windows of about `--window-s`, and reports each window's TFLOP/s beside the SM clock, power
+draw and clock-event reasons sampled meanwhile (`nvidia-smi -lms`), then the first window against the median of
+the second half.
+
+    python3 benchmarks/sustained_matmul.py --seconds 20 --out sustained_matmul.json
+    python3 benchmarks/sustained_matmul.py --seconds 1 --n 64 --out /tmp/m.json   # the script itself, on a CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+
+def start_sampler(interval_ms: int):
+    """A background nvidia-smi writing one line per interval to a temporary file; None without one."""
+    if not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        return None
+    out = tempfile.NamedTemporaryFile("w+", suffix=".csv")
+    proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits",
+                             f"-lms={interval_ms}"], stdout=out, stderr=subprocess.DEVNULL)
+    return proc, out
+
+
+def stop_sampler(sampler) -> list[tuple[float, int, float, str]]:
+    """(seconds since the epoch, SM MHz, watts, reasons) per sample."""
+    if sampler is None:
+        return []
+    proc, out = sampler
+    proc.terminate()
+    proc.wait(timeout=10)
+    out.seek(0)
+    samples = []
+    for line in out:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 4:
+            continue
+        try:
+            stamp = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
+            stamp += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
+            samples.append((stamp, int(parts[1]), float(parts[2]), parts[3]))
+        except ValueError:
+            continue  # a header or a line cut short by the stop
+    out.close()
+    return samples
+
+
+def run_windows(n: int, seconds: float, window_s: float, device: str, burst: int = 20) -> list[dict]:
+    """Back-to-back n × n products in windows of about window_s. The first window is `burst` products, as many as
+    the roofline's ceiling times (bench/roofline.py: 20 on CUDA); it sets the count of the rest."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    torch.mm(a, b, out=c)  # the library's first call picks its algorithm: not timed
+    sync()
+    per_window, windows, began = burst, [], time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        start = time.perf_counter()
+        for _ in range(per_window):
+            torch.mm(a, b, out=c)
+        sync()
+        end = time.perf_counter()
+        windows.append({"start": time.time() - (end - start), "seconds": end - start, "products": per_window,
+                        "tflops": 2 * n ** 3 * per_window / (end - start) / 1e12})
+        # Queue about window_s of work at a time, so each window measures the GPU, not the host between windows.
+        per_window = max(1, round(per_window * window_s / max(end - start, 1e-6)))
+    return windows
+
+
+def attach_samples(windows: list[dict], samples: list[tuple[float, int, float, str]]) -> None:
+    for w in windows:
+        inside = [s for s in samples if w["start"] <= s[0] <= w["start"] + w["seconds"]]
+        w["sm_mhz"] = statistics.median(s[1] for s in inside) if inside else None
+        w["watts"] = statistics.median(s[2] for s in inside) if inside else None
+        w["reasons"] = sorted({s[3] for s in inside})
+
+
+def summarize(windows: list[dict]) -> dict:
+    """The first window (the burst) against the median of the second half (held)."""
+    if not windows:
+        raise ValueError("no window ran: give --seconds more than one window's time")
+    held = windows[len(windows) // 2:]
+
+    def median(key):
+        values = [w[key] for w in held if w.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    burst = windows[0]["tflops"]
+    held_tflops = median("tflops")
+    return {"windows": len(windows), "burst_tflops": burst, "held_tflops": held_tflops,
+            "held_of_burst": held_tflops / burst, "first_sm_mhz": windows[0].get("sm_mhz"),
+            "held_sm_mhz": median("sm_mhz"), "held_watts": median("watts"),
+            "held_reasons": sorted({r for w in held for r in w.get("reasons", [])})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--window-s", type=float, default=0.5)
+    p.add_argument("--n", type=int, default=0, help="matrix size (default 8192 on CUDA, 256 on a CPU)")
+    p.add_argument("--sample-ms", type=int, default=100)
+    p.add_argument("--burst", type=int, default=20, help="products in the first window (the roofline's repeats)")
+    p.add_argument("--out", default="sustained_matmul.json")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = args.n or (8192 if device == "cuda" else 256)
+    sampler = start_sampler(args.sample_ms)
+    print(f"{args.seconds:.0f} s of {n} x {n} products on {device}, windows of ~{args.window_s} s", flush=True)
+    try:
+        windows = run_windows(n, args.seconds, args.window_s, device, args.burst)
+    finally:
+        samples = stop_sampler(sampler)
+    attach_samples(windows, samples)
+    summary = summarize(windows)
+    for i, w in enumerate(windows):
+        if i % max(1, len(windows) // 10) == 0 or i == len(windows) - 1:
+            print(f"  window {i:3d}: {w['tflops']:7.1f} TFLOP/s  SM {w['sm_mhz']} MHz  {w['watts']} W  "
+                  f"{','.join(w['reasons'])}", flush=True)
+    print(f"burst {summary['burst_tflops']:.1f} TFLOP/s, held {summary['held_tflops']:.1f} "
+          f"({summary['held_of_burst']:.3f} of it), SM {summary['first_sm_mhz']} -> {summary['held_sm_mhz']} MHz, "
+          f"{summary['held_watts']} W", flush=True)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    with open(args.out, "w") as f:
+        json.dump({"gpu": gpu, "n": n, "torch_version": torch.__version__, "summary": summary,
+                   "windows": windows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
