@@ -27,6 +27,11 @@ rate and their FLOPs over the matmul rate; norms, KV and adapter rows are read a
 and the LoRA kernels do ~1–4 FLOPs a byte, far below the ridge, so their FLOPs never bind); prefill as in the
 roofline. Its ratio to the roofline is the most of the roofline any server reaches on the trace at that batch.
 
+The matmul ceiling is a burst: 20 products timed back to back, at the SM clock the GPU holds before its power
+draw reaches the board's limit. Under sustained FLOP-bound work the limit pulls the clock down (an H100 at
+700 W held 0.85 of its burst rate: benchmarks/sustained_matmul.py, docs/benchmarks.md), so a roofline from the
+burst rate is the stricter of the two; points are judged against it.
+
 Batch: the server's largest running batch (EngineConfig.max_running_requests, 256), capped, when the pool's
 size is known, by how many requests' KV it holds at the trace's mean context (`server_batch`).
 """

@@ -9,6 +9,7 @@ the second half.
 
     python3 benchmarks/sustained_matmul.py --seconds 20 --out sustained_matmul.json
     python3 benchmarks/sustained_matmul.py --seconds 1 --n 64 --out /tmp/m.json   # the script itself, on a CPU
+    python3 benchmarks/sustained_matmul.py --replot sustained_matmul.json --plot sustained_matmul.png
 """
 from __future__ import annotations
 
@@ -113,6 +114,37 @@ def summarize(windows: list[dict]) -> dict:
             "held_reasons": sorted({r for w in held for r in w.get("reasons", [])})}
 
 
+def plot(result: dict, path: str) -> None:
+    """TFLOP/s and the SM clock per window over the run's seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    windows = result["windows"]
+    t0 = windows[0]["start"]
+    t = [w["start"] - t0 + w["seconds"] / 2 for w in windows]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(t, [w["tflops"] for w in windows], marker="o", ms=3, label="bf16 matmul, TFLOP/s")
+    ax.set_xlabel("seconds of back-to-back products")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_ylim(bottom=0)
+    clocks = [(x, w["sm_mhz"]) for x, w in zip(t, windows) if w.get("sm_mhz") is not None]
+    if clocks:
+        ax2 = ax.twinx()
+        ax2.plot([c[0] for c in clocks], [c[1] for c in clocks], color="tab:red", marker=".", ms=3,
+                 label="SM clock, MHz")
+        ax2.set_ylabel("SM clock, MHz")
+        ax2.set_ylim(bottom=0)
+        fig.legend(loc="center right", bbox_to_anchor=(0.9, 0.35))
+    s = result["summary"]
+    ax.set_title(f"{result['gpu']}, {result['n']}³: burst {s['burst_tflops']:.0f}, "
+                 f"held {s['held_tflops']:.0f} TFLOP/s ({s['held_of_burst']:.2f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=20.0)
@@ -121,7 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-ms", type=int, default=100)
     p.add_argument("--burst", type=int, default=20, help="products in the first window (the roofline's repeats)")
     p.add_argument("--out", default="sustained_matmul.json")
+    p.add_argument("--plot", help="also draw the windows to this PNG")
+    p.add_argument("--replot", help="draw --plot from this earlier --out file instead of running")
     args = p.parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            p.error("--replot needs --plot")
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = args.n or (8192 if device == "cuda" else 256)
     sampler = start_sampler(args.sample_ms)
@@ -140,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({summary['held_of_burst']:.3f} of it), SM {summary['first_sm_mhz']} -> {summary['held_sm_mhz']} MHz, "
           f"{summary['held_watts']} W", flush=True)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    result = {"gpu": gpu, "n": n, "torch_version": torch.__version__, "summary": summary, "windows": windows}
     with open(args.out, "w") as f:
-        json.dump({"gpu": gpu, "n": n, "torch_version": torch.__version__, "summary": summary,
-                   "windows": windows}, f, indent=1)
+        json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 

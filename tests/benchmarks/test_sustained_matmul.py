@@ -35,3 +35,10 @@ def test_a_cpu_run_writes_its_windows(tmp_path):
     assert all(w["tflops"] > 0 for w in result["windows"])
     assert result["summary"]["windows"] == len(result["windows"])
     assert result["summary"]["held_sm_mhz"] is None  # no nvidia-smi on a CPU
+
+
+def test_replot_draws_an_earlier_run(tmp_path):
+    out, png = tmp_path / "m.json", tmp_path / "m.png"
+    assert sm.main(["--seconds", "0.3", "--n", "32", "--window-s", "0.05", "--burst", "2", "--out", str(out)]) == 0
+    assert sm.main(["--replot", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
