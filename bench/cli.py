@@ -276,7 +276,7 @@ def cmd_targets(args, argv) -> int:
 
 
 def cmd_roofline(args, argv) -> int:
-    from bench.roofline import Ceilings, attainable_rps, roofline_rps
+    from bench.roofline import Ceilings, attainable_rps, held, roofline_rps
     from bench.driver import measure_ceilings_apart
     from bench.settings import get_setting
     from bench.workload import make_trace
@@ -295,8 +295,11 @@ def cmd_roofline(args, argv) -> int:
     dtype_bytes = 2 if ceilings.device.startswith("cuda") else 4
     rps = roofline_rps(setting, trace, ceilings, args.batch, None, dtype_bytes)  # adapters at the mean rank
     attainable = attainable_rps(setting, trace, ceilings, args.batch, None, dtype_bytes)
+    at_held = held(ceilings)
+    rps_held = roofline_rps(setting, trace, at_held, args.batch, None, dtype_bytes) if at_held else None
     out = {"setting": setting.name, "n_adapters": args.n, "batch": args.batch, "requests": len(trace),
-           "roofline_rps": rps, "attainable_rps": attainable, "ceilings": ceilings.as_dict()}
+           "roofline_rps": rps, "attainable_rps": attainable, "roofline_rps_held": rps_held,
+           "ceilings": ceilings.as_dict()}
     if args.json:
         sys.stdout.write(json.dumps(out) + "\n")
     else:
@@ -307,6 +310,9 @@ def cmd_roofline(args, argv) -> int:
                          f"{setting.name} (n={args.n}, batch {args.batch}, {len(trace)} requests): roofline "
                          f"{rps:.2f} req/s; each operation at the ceiling that binds it (GEMMs past the ridge "
                          f"point by their FLOPs): {attainable:.2f} req/s, {attainable / rps:.2f} of the roofline\n")
+        if rps_held is not None:
+            sys.stdout.write(f"matmul held back to back {c.matmul_held_tflops:.2f} TFLOP/s "
+                             f"({c.matmul_held_tflops / c.matmul_tflops:.3f} of the burst): roofline {rps_held:.2f} req/s\n")
     return 0
 
 

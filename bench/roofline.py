@@ -30,7 +30,8 @@ roofline. Its ratio to the roofline is the most of the roofline any server reach
 The matmul ceiling is a burst: 20 products timed back to back, at the SM clock the GPU holds before its power
 draw reaches the board's limit. Under sustained FLOP-bound work the limit pulls the clock down (an H100 at
 700 W held 0.85 of its burst rate: benchmarks/sustained_matmul.py, docs/benchmarks.md), so a roofline from the
-burst rate is the stricter of the two; points are judged against it.
+burst rate is the stricter of the two; points are judged against it, and carry the roofline at the held rate
+beside it (`roofline_rps_held`, `roofline_fraction_held`) where their ceilings hold it.
 
 Batch: the server's largest running batch (EngineConfig.max_running_requests, 256), capped, when the pool's
 size is known, by how many requests' KV it holds at the trace's mean context (`server_batch`).
@@ -38,7 +39,7 @@ size is known, by how many requests' KV it holds at the trace's mean context (`s
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 from bench.settings import Setting
@@ -57,6 +58,9 @@ class Ceilings:
     matmul_n: int
     matmul_dtype: str
     pinned: bool
+    # The same product run back to back until the board's power limit sets the clock (bench/held_matmul.py);
+    # None where not measured (lines from before it, ceilings given by hand).
+    matmul_held_tflops: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -118,10 +122,14 @@ def _host_to_device_seconds(timed, device: str, nbytes: int, repeats: int) -> fl
     return timed(lambda: dev.copy_(host), repeats)
 
 
-def measure_ceilings(device: str = "cuda", copy_bytes: int = 0, matmul_n: int = 0, repeats: int = 0) -> Ceilings:
+def measure_ceilings(device: str = "cuda", copy_bytes: int = 0, matmul_n: int = 0, repeats: int = 0,
+                     held_s: float = -1.0) -> Ceilings:
     """Median of `repeats` timed runs of each measurement (sizes default to 2 GiB and 8192 on CUDA, 32 MiB
-    and 256 on CPU)."""
+    and 256 on CPU), and the matmul rate held over `held_s` seconds of back-to-back products (default 6 on
+    CUDA, where the clock settles within a second, 0.3 on a CPU; 0: not measured)."""
     import torch
+
+    from bench.held_matmul import measure_held_tflops
 
     on_cuda = device.startswith("cuda")
     if on_cuda and not torch.cuda.is_available():
@@ -135,13 +143,22 @@ def measure_ceilings(device: str = "cuda", copy_bytes: int = 0, matmul_n: int = 
     t_copy = _copy_seconds(timed, device, copy_bytes, repeats)
     t_mm = _matmul_seconds(timed, device, matmul_n, dtype, repeats)
     t_h2d = _host_to_device_seconds(timed, device, copy_bytes, repeats)
+    held_s = held_s if held_s >= 0 else (6.0 if on_cuda else 0.3)
+    held = measure_held_tflops(device, matmul_n, held_s, 0.5 if on_cuda else 0.05) if held_s else None
     name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     if on_cuda:
         torch.cuda.empty_cache()
     return Ceilings(device=device, name=name, hbm_gbs=2 * copy_bytes / t_copy / 1e9,
                     matmul_tflops=2 * matmul_n**3 / t_mm / 1e12, h2d_gbs=copy_bytes / t_h2d / 1e9,
                     copy_bytes=copy_bytes, matmul_n=matmul_n, matmul_dtype=str(dtype).removeprefix("torch."),
-                    pinned=on_cuda)
+                    pinned=on_cuda, matmul_held_tflops=held)
+
+
+def held(ceilings: Ceilings) -> Ceilings | None:
+    """The same ceilings with the matmul rate the GPU holds in place of its burst; None where not measured."""
+    if ceilings.matmul_held_tflops is None:
+        return None
+    return replace(ceilings, matmul_tflops=ceilings.matmul_held_tflops)
 
 
 # ---- model arithmetic -----------------------------------------------------------------------------------

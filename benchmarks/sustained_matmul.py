@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from bench.held_matmul import held_tflops, run_windows
+
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
 
@@ -60,34 +62,6 @@ def stop_sampler(sampler) -> list[tuple[float, int, float, str]]:
     return samples
 
 
-def run_windows(n: int, seconds: float, window_s: float, device: str, burst: int = 20) -> list[dict]:
-    """Back-to-back n × n products in windows of about window_s. The first window is `burst` products, as many as
-    the roofline's ceiling times (bench/roofline.py: 20 on CUDA); it sets the count of the rest."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    c = torch.empty(n, n, device=device, dtype=dtype)
-
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    torch.mm(a, b, out=c)  # the library's first call picks its algorithm: not timed
-    sync()
-    per_window, windows, began = burst, [], time.perf_counter()
-    while time.perf_counter() - began < seconds:
-        start = time.perf_counter()
-        for _ in range(per_window):
-            torch.mm(a, b, out=c)
-        sync()
-        end = time.perf_counter()
-        windows.append({"start": time.time() - (end - start), "seconds": end - start, "products": per_window,
-                        "tflops": 2 * n ** 3 * per_window / (end - start) / 1e12})
-        # Queue about window_s of work at a time, so each window measures the GPU, not the host between windows.
-        per_window = max(1, round(per_window * window_s / max(end - start, 1e-6)))
-    return windows
-
-
 def attach_samples(windows: list[dict], samples: list[tuple[float, int, float, str]]) -> None:
     for w in windows:
         inside = [s for s in samples if w["start"] <= s[0] <= w["start"] + w["seconds"]]
@@ -97,21 +71,20 @@ def attach_samples(windows: list[dict], samples: list[tuple[float, int, float, s
 
 
 def summarize(windows: list[dict]) -> dict:
-    """The first window (the burst) against the median of the second half (held)."""
-    if not windows:
-        raise ValueError("no window ran: give --seconds more than one window's time")
-    held = windows[len(windows) // 2:]
+    """The first window (the burst) against the second half (held: bench.held_matmul.held_tflops)."""
+    if len(windows) < 2:
+        raise ValueError("under two windows ran: give --seconds more than the burst's time")
+    second_half = windows[len(windows) // 2:]
 
     def median(key):
-        values = [w[key] for w in held if w.get(key) is not None]
+        values = [w[key] for w in second_half if w.get(key) is not None]
         return statistics.median(values) if values else None
 
-    burst = windows[0]["tflops"]
-    held_tflops = median("tflops")
-    return {"windows": len(windows), "burst_tflops": burst, "held_tflops": held_tflops,
-            "held_of_burst": held_tflops / burst, "first_sm_mhz": windows[0].get("sm_mhz"),
+    burst, held = windows[0]["tflops"], held_tflops(windows)
+    return {"windows": len(windows), "burst_tflops": burst, "held_tflops": held,
+            "held_of_burst": held / burst, "first_sm_mhz": windows[0].get("sm_mhz"),
             "held_sm_mhz": median("sm_mhz"), "held_watts": median("watts"),
-            "held_reasons": sorted({r for w in held for r in w.get("reasons", [])})}
+            "held_reasons": sorted({r for w in second_half for r in w.get("reasons", [])})}
 
 
 def plot(result: dict, path: str) -> None:

@@ -57,6 +57,11 @@ def test_roofline_on_a_cpu_prints_ceilings_and_throughput(capsys):
     assert result["setting"] == "tiny" and result["batch"] == 8 and result["roofline_rps"] > 0
     assert 0 < result["attainable_rps"] <= result["roofline_rps"]
     assert result["ceilings"]["device"] == "cpu" and result["ceilings"]["hbm_gbs"] > 0
+    assert result["ceilings"]["matmul_held_tflops"] > 0 and result["roofline_rps_held"] > 0
+    code, out, _ = run(capsys, "roofline", "--setting", "tiny", "--device", "cpu", "--n", "4", "--rate", "5",
+                       "--duration-s", "10", "--batch", "8")
+    assert code == 0 and re.search(r"matmul held back to back [0-9.]+ TFLOP/s \([0-9.]+ of the burst\): roofline "
+                                   r"[0-9.]+ req/s", out.splitlines()[-1])
 
 
 def test_adapters_writes_a_population(capsys, tmp_path):

@@ -79,6 +79,11 @@ def test_a_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
         assert x["n_completed"] > 0 and x["throughput_rps"] > 0
         assert 0 < x["roofline_fraction"] == pytest.approx(x["throughput_rps"] / x["roofline_rps"])
         assert 0 < x["attainable_rps"] <= x["roofline_rps"]
+        # The roofline at the matmul rate held under load, beside it (the CPU's rate, so either side of it).
+        held = x["ceilings"]["matmul_held_tflops"]
+        assert held > 0 and x["roofline_rps_held"] > 0
+        assert x["roofline_fraction_held"] == pytest.approx(x["throughput_rps"] / x["roofline_rps_held"])
+        assert (x["roofline_rps_held"] < x["roofline_rps"]) == (held < x["ceilings"]["matmul_tflops"])
         # Each kind of step that ran got its floor from the worker's counters and the run's ceilings.
         ran = [s for s in x["worker_steps"].values() if s["steps"]]
         assert ran and all(s["floor_ms"] > 0 and s["of_floor"] == pytest.approx(s["floor_ms"] / s["mean_ms"], abs=1e-3)
@@ -396,3 +401,14 @@ def test_only_runs_the_points_whose_key_matches_and_lanes_pass_it_on(tmp_path):
     assert "--run" not in argv
     run = lane_argv(str(spec_path), 1, 0, 2, 500, tmp_path, str(tmp_path), "", True, (), "2026-12-02T15:00:00+00:00")
     assert run[run.index("--run") + 1] == "2026-12-02T15:00:00+00:00"
+
+
+def test_a_points_summary_gives_the_held_roofline_fraction_where_its_line_has_one():
+    from bench.driver import summary
+
+    line = {"setting": "S-GQA", "system": "loraplex", "n_adapters": 5, "req_rate": 60.0, "cv": 1.0,
+            "policy": "early-abort", "throughput_rps": 45.61, "ttft_p50_s": 1.3, "slo_attainment": 0.81,
+            "roofline_fraction": 0.556}
+    assert summary(line).endswith("roofline 0.56")
+    assert summary({**line, "roofline_fraction_held": 0.597}).endswith(
+        "roofline 0.56 (0.60 at the held matmul rate)")

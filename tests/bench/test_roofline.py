@@ -1,11 +1,13 @@
 """The roofline: ceilings measured here (tiny sizes on a CPU), and per-request bytes and FLOPs that follow the
 model's geometry exactly (BENCHMARKS.md "The limit")."""
 import math
+from dataclasses import replace
 
 import pytest
 
+from bench.held_matmul import held_tflops, run_windows
 from bench.roofline import (
-    Ceilings, decode_weight_bytes, kv_bytes_per_token, measure_ceilings, request_cost, roofline_fraction,
+    Ceilings, decode_weight_bytes, held, kv_bytes_per_token, measure_ceilings, request_cost, roofline_fraction,
     roofline_rps, server_batch, trace_seconds,
 )
 from bench.settings import get_setting
@@ -28,6 +30,28 @@ def test_ceilings_are_measured_on_a_cpu_too():
     for value in (c.hbm_gbs, c.matmul_tflops, c.h2d_gbs):
         assert math.isfinite(value) and value > 0
     assert c.as_dict()["copy_bytes"] == 4 * 2**20
+    assert math.isfinite(c.matmul_held_tflops) and c.matmul_held_tflops > 0
+    assert measure_ceilings("cpu", copy_bytes=2**20, matmul_n=32, repeats=2, held_s=0).matmul_held_tflops is None
+
+
+def test_the_held_roofline_takes_the_held_matmul_rate_in_place_of_the_burst():
+    assert held(CEIL) is None  # ceilings without it (given by hand, or lines from before it)
+    power_capped = replace(CEIL, matmul_held_tflops=680.0)
+    at_held = held(power_capped)
+    assert at_held.matmul_tflops == 680.0 and at_held.hbm_gbs == CEIL.hbm_gbs
+    trace = [req(i, 400, 100) for i in range(50)]
+    # Prefill FLOPs take longer at the lower rate; decode bytes do not change: slower, but by less than the rate.
+    slower = roofline_rps(S2, trace, at_held, 64) / roofline_rps(S2, trace, power_capped, 64)
+    assert 680.0 / 800.0 < slower < 1.0
+
+
+def test_the_held_rate_is_the_second_halfs_median_and_needs_two_windows():
+    windows = [{"tflops": t} for t in (790.0, 700.0, 660.0, 670.0, 665.0)]
+    assert held_tflops(windows) == 665.0
+    with pytest.raises(ValueError, match="two windows"):
+        held_tflops(windows[:1])
+    ran = run_windows(32, 0.2, 0.02, "cpu", burst=3)
+    assert len(ran) >= 2 and ran[0]["products"] == 3 and all(w["tflops"] > 0 for w in ran)
 
 
 def test_kv_and_weight_bytes_follow_the_geometry():

@@ -205,6 +205,15 @@ def test_lines_that_record_the_attainable_throughput_say_how_much_of_the_rooflin
     assert v["≥ 60% of the roofline"].measured == "S-GQA n = 100 0.25 (at most 0.80); S2 n = 5 0.70; S2 n = 2000 0.69 (at most 0.91)"
 
 
+def test_a_line_with_the_held_roofline_shows_its_fraction_beside_the_one_judged(tmp_path):
+    sat = write(tmp_path / "sgqa.jsonl", [
+        line("loraplex", 5, 45.6, 81.7, setting="S-GQA", rate=60.0, roofline_batch=512, attainable_rps=68.1,
+             roofline_rps_held=76.4, roofline_fraction_held=45.6 / 76.4)])
+    v = {x.target: x for x in verdicts([sat])}["≥ 60% of the roofline"]
+    assert v.measured == "S-GQA n = 5 0.56 (at most 0.83) [0.60 at the held matmul rate]"
+    assert v.status.startswith("missed at every point")  # judged by the burst's roofline, not the held one
+
+
 def test_a_line_measured_on_another_gpu_neither_stands_for_the_target_gpu_nor_enters_a_ratio(tmp_path):
     h200 = dict(gpu="NVIDIA H200")
     path = write(tmp_path / "s2.jsonl", [
