@@ -144,14 +144,14 @@ def measure_ceilings(device: str = "cuda", copy_bytes: int = 0, matmul_n: int = 
     t_mm = _matmul_seconds(timed, device, matmul_n, dtype, repeats)
     t_h2d = _host_to_device_seconds(timed, device, copy_bytes, repeats)
     held_s = held_s if held_s >= 0 else (6.0 if on_cuda else 0.3)
-    held = measure_held_tflops(device, matmul_n, held_s, 0.5 if on_cuda else 0.05) if held_s else None
+    held_rate = measure_held_tflops(device, matmul_n, held_s, 0.5 if on_cuda else 0.05) if held_s else None
     name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     if on_cuda:
         torch.cuda.empty_cache()
     return Ceilings(device=device, name=name, hbm_gbs=2 * copy_bytes / t_copy / 1e9,
                     matmul_tflops=2 * matmul_n**3 / t_mm / 1e12, h2d_gbs=copy_bytes / t_h2d / 1e9,
                     copy_bytes=copy_bytes, matmul_n=matmul_n, matmul_dtype=str(dtype).removeprefix("torch."),
-                    pinned=on_cuda, matmul_held_tflops=held)
+                    pinned=on_cuda, matmul_held_tflops=held_rate)
 
 
 def held(ceilings: Ceilings) -> Ceilings | None:
