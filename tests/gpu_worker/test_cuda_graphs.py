@@ -136,3 +136,49 @@ def test_stacked_few_adapter_graphs_match_eager(tmp_path, held):
     assert stacks.fills >= 2  # the mix changes as requests end
     assert (stacks.held_stacks.gathers >= 2) if held else stacks.held_stacks is None
     assert_eager_agrees(base, adapters, tokens, logits)
+
+
+def test_an_eager_step_over_held_adapters_reads_the_held_stack_and_matches_eager(tmp_path):
+    # kernel_shapes eager_held_stacked: two requests decode in stacked graphs, which gather the held stack of
+    # r4 and r32; two more then arrive on the same adapters, and the eager step that prefills them runs its
+    # LoRA as the dense products over the held rows. Tokens as the eager path's, logits within its rounding.
+    base = make_model(tmp_path / "model", preset="tiny-gqa", seed=4)
+    adapters = adapters_of(base, tmp_path)
+
+    def serve(graphs: bool, kernel_shapes: str):
+        engine = Engine.from_model_dir(base, EngineConfig(device="cuda", num_slots=2048, max_lora_rank=32,
+                                                          max_resident_adapters=4, cuda_graphs=graphs,
+                                                          cuda_graph_max_batch=8, cuda_graph_few_adapters=4,
+                                                          kernel_shapes=kernel_shapes))
+        for name, w in adapters.items():
+            engine.register_adapter(name, w)
+        tokens, logits = {}, {}
+
+        def add(i, adapter):
+            prompt = [(5 * i + j) % 400 + 3 for j in range(4 + 3 * i)]
+            engine.add_request(EngineRequest(f"q{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True),
+                                             adapter, return_logits=True))
+
+        def step():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logits.setdefault(out.request_id, []).extend(out.logits or [])
+
+        add(0, "r4")
+        add(1, "r32")
+        for _ in range(4):  # the prompts, then decode steps
+            step()
+        add(2, "r32")
+        add(3, "r4")
+        while engine.has_unfinished():
+            step()
+        return engine, tokens, logits
+
+    held_engine, tokens, logits = serve(True, "graph_few_stacked=4,graph_stacked_held=64,eager_held_stacked")
+    assert held_engine.graphs.stacks.held_stacks.gathers >= 1
+    assert held_engine.eager_held_steps >= 1
+    _, eager_tokens, eager_logits = serve(False, "no_graph_few_stacked")
+    assert tokens == eager_tokens
+    for rid in tokens:
+        for a, b in zip(logits[rid], eager_logits[rid]):
+            assert (a - b).abs().max().item() < 1e-3
