@@ -49,6 +49,18 @@ def engine_with_residents():
     return engine, residents, stacks
 
 
+def group_inputs(cfg: ModelConfig, tokens: int, seed: int):
+    """(layer, modules, out_dims, x, base output) for every layer and LoRA group: random inputs of `tokens` rows."""
+    gen = torch.Generator().manual_seed(seed)
+    fan_in_of = ("q_proj", "o_proj", "gate_proj", "down_proj")
+    out_dims = ((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), (cfg.hidden_size,), (cfg.intermediate_size,) * 2,
+                (cfg.hidden_size,))
+    for layer in range(cfg.num_layers):
+        for modules, dims, module in zip(GROUPS, out_dims, fan_in_of):
+            x = torch.randn(tokens, cfg.module_dims(module)[0], generator=gen)
+            yield layer, modules, dims, x, torch.randn(tokens, sum(dims), generator=gen)
+
+
 def test_columns_are_the_widest_ranks_summed_in_powers_of_two_from_64():
     assert [stacked_columns(w) for w in ([], [8, 16], [64], [64, 8], [32] * 4, [64] * 5)] == [64, 64, 64, 128, 128, 512]
 
@@ -62,26 +74,20 @@ def test_the_models_lora_through_the_stacks_equals_the_segment_ops(engine_with_r
     ids = [residents["attn"].resident_id, -1, residents["mlp"].resident_id, residents["attn"].resident_id, -1,
            residents["mlp"].resident_id]
     token_adapter = torch.tensor(ids, dtype=torch.int32)
-    gen = torch.Generator().manual_seed(7)
-    for layer in range(cfg.num_layers):
-        for modules, dims in zip(GROUPS, ((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), (cfg.hidden_size,),
-                                          (cfg.intermediate_size,) * 2, (cfg.hidden_size,))):
-            fan_in = cfg.module_dims(("q_proj", "o_proj", "gate_proj", "down_proj")[GROUPS.index(modules)])[0]
-            x = torch.randn(len(ids), fan_in, generator=gen)
-            base = torch.randn(len(ids), sum(dims), generator=gen)
-            outs = []
-            for stacked, held in ((False, False), (True, False), (True, True)):
-                lora = LoraBatch(tables=engine.adapters.tables, token_adapter=token_adapter, max_rank=(32,) * 7)
-                if stacked:
-                    lora.stacks, lora.stack_columns, lora.stack_held = stacks, columns, held
-                model.prepare_lora(lora)  # as forward does, once a step
-                out = base.clone()
-                model._lora(x, out, lora, engine.pool, layer, modules, dims)
-                outs.append(out)
-            # Gathered now or held since the fill, the same rows: the same sums, bit for bit.
-            assert torch.equal(outs[2], outs[1])
-            torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
-            assert (outs[1] - base)[token_adapter < 0].abs().max() == 0
+    for layer, modules, dims, x, base in group_inputs(cfg, len(ids), seed=7):
+        outs = []
+        for stacked, held in ((False, False), (True, False), (True, True)):
+            lora = LoraBatch(tables=engine.adapters.tables, token_adapter=token_adapter, max_rank=(32,) * 7)
+            if stacked:
+                lora.stacks, lora.stack_columns, lora.stack_held = stacks, columns, held
+            model.prepare_lora(lora)  # as forward does, once a step
+            out = base.clone()
+            model._lora(x, out, lora, engine.pool, layer, modules, dims)
+            outs.append(out)
+        # Gathered now or held since the fill, the same rows: the same sums, bit for bit.
+        assert torch.equal(outs[2], outs[1])
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+        assert (outs[1] - base)[token_adapter < 0].abs().max() == 0
 
 
 def test_a_fill_is_skipped_while_the_step_keeps_its_adapters(engine_with_residents):
@@ -227,22 +233,17 @@ def test_an_eager_prefills_lora_through_the_held_stack_equals_the_segment_ops(en
     ids = [residents["attn"].resident_id] * 7 + [-1] * 3 + [residents["mlp"].resident_id] * 9
     token_adapter = torch.tensor(ids, dtype=torch.int32)
     step = [residents["attn"], residents["mlp"]]
-    gen = torch.Generator().manual_seed(11)
-    for layer in range(cfg.num_layers):
-        for modules, dims in zip(GROUPS, ((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), (cfg.hidden_size,),
-                                          (cfg.intermediate_size,) * 2, (cfg.hidden_size,))):
-            fan_in = cfg.module_dims(("q_proj", "o_proj", "gate_proj", "down_proj")[GROUPS.index(modules)])[0]
-            x = torch.randn(len(ids), fan_in, generator=gen)
-            base = torch.randn(len(ids), sum(dims), generator=gen)
-            outs = []
-            for held in (False, True):
-                lora = LoraBatch(tables=engine.adapters.tables, token_adapter=token_adapter, max_rank=(32,) * 7,
-                                 segment_lengths=(7, 3, 9))
-                assert stack_eager_lora(stacks, lora, step) if held else True
-                model.prepare_lora(lora)
-                out = base.clone()
-                model._lora(x, out, lora, engine.pool, layer, modules, dims)
-                outs.append(out)
-            torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
-            assert (outs[1] - base)[token_adapter < 0].abs().max() == 0
-            assert (outs[1] - base).abs().max() > 0  # the adapters did add something
+    for layer, modules, dims, x, base in group_inputs(cfg, len(ids), seed=11):
+        outs = []
+        for held in (False, True):
+            lora = LoraBatch(tables=engine.adapters.tables, token_adapter=token_adapter, max_rank=(32,) * 7,
+                             segment_lengths=(7, 3, 9))
+            if held:
+                assert stack_eager_lora(stacks, lora, step)
+            model.prepare_lora(lora)
+            out = base.clone()
+            model._lora(x, out, lora, engine.pool, layer, modules, dims)
+            outs.append(out)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+        assert (outs[1] - base)[token_adapter < 0].abs().max() == 0
+        assert (outs[1] - base).abs().max() > 0  # the adapters did add something
