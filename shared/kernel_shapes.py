@@ -54,7 +54,9 @@ Words, comma-separated:
                         holds runs its LoRA as the same dense products over the held rows (ops.stacked_lora)
                         instead of the segment kernels: over 5 adapters S-GQA's admission step spends ~22 ms of
                         its ~156 in the segment kernels, 15.6 of them in the expand at 0.59 of the copy ceiling
-                        (docs/benchmarks.md, 2026-12-07); off until timed
+                        (docs/benchmarks.md, 2026-12-07); off: timed on an H100 in the engine alone, the admission
+                        steps took as long either way (148.3-148.5 against 146.2 ms of GPU, docs/benchmarks.md,
+                        2026-12-07 12:46)
   graph_batch_step=N    decode graphs are captured for batches every N rows past 256 (every min(N, 32) from 128
                         to 256; N a power of two, 8 to 64; default 64): a step replays the smallest graph holding
                         its rows, and its base GEMMs, bound by their FLOPs at served batches, compute the padding
