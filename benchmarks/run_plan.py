@@ -2,7 +2,7 @@
 deadline, so that a GPU session of fixed length measures as much of the plan as fits and keeps every result
 written before the end (a step cut off by its cap keeps whatever it wrote; later steps still run).
 
-    python -m benchmarks.run_plan benchmarks/plans/few_adapter_graphs.yaml --out results/ --deadline-s 1400
+    python -m benchmarks.run_plan benchmarks/plans/few_adapter_graphs.yaml --out $OUT/few --deadline-s 1400 --pack
 
 A plan (YAML):
 
@@ -21,6 +21,10 @@ a point again that an earlier step of the same plan measured) and {budget} (seco
 or what is left, less a margin). Progress goes to stderr as each step starts and ends; OUT/plan.json records
 each step's exit code, start and seconds, or why it was skipped, with the versions the served points' lines
 carry (bench/point.py: torch, triton, NVIDIA driver, the server source's fingerprint).
+
+With --pack the folder's files end up in one archive inside it, OUT/PLAN.tar.gz (PLAN the plan file's name), when
+the plan ends or is stopped (SIGTERM, as `timeout` sends): a GPU host may hand back only a few files of a run,
+and a plan writes a log a step besides its results.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,6 +102,35 @@ class Outcome:
     why: str = ""
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def pack(out: Path, name: str) -> Path:
+    """The folder's files into OUT/NAME.tar.gz (written whole, then put in place), then out of the folder."""
+    archive = out / f"{name}.tar.gz"
+    partial = out / f"{name}.tar.gz.partial"
+    files = sorted(f for f in out.rglob("*") if f.is_file() and f not in (archive, partial))
+    with tarfile.open(partial, "w:gz") as tar:
+        for f in files:
+            tar.add(f, arcname=str(f.relative_to(out)))
+    partial.replace(archive)
+    for f in files:
+        f.unlink()
+    for d in sorted((d for d in out.rglob("*") if d.is_dir()), reverse=True):
+        d.rmdir()
+    return archive
+
+
+def _stopped(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def run_step(step: Step, out: Path, since: str, left_s: float, gpu: str) -> Outcome:
     if step.gpu and step.gpu not in gpu:
         return Outcome(step.name, "skipped", why=f"needs a GPU named {step.gpu}; this host has {gpu}")
@@ -118,13 +152,11 @@ def run_step(step: Step, out: Path, since: str, left_s: float, gpu: str) -> Outc
             rc = proc.wait(timeout=cap)
             status = "done" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc)
             rc, status = None, "cut off"
+        except BaseException:
+            stop_group(proc)  # the plan itself was stopped: its step's processes go with it
+            raise
     return Outcome(step.name, status, rc, started.isoformat(timespec="seconds"), round(time.monotonic() - t0, 1),
                    f"after its {cap} s cap" if status == "cut off" else "")
 
@@ -135,6 +167,7 @@ def main() -> int:
     p.add_argument("--out", required=True, help="results folder (created)")
     p.add_argument("--deadline-s", type=float, required=True, help="seconds from now the whole plan must end by")
     p.add_argument("--since", default=None, help="{since} in commands (default: now, to the minute, UTC)")
+    p.add_argument("--pack", action="store_true", help="at the end, the folder's files as one archive in it, OUT/PLAN.tar.gz")
     args = p.parse_args()
     try:
         steps = load_plan(args.plan)
@@ -147,17 +180,23 @@ def main() -> int:
     outcomes: list[Outcome] = []
     host = versions()  # torch, triton, driver, and the server source's fingerprint
     gpu = gpu_name()
-    for i, step in enumerate(steps, 1):
-        print(f"[{i}/{len(steps)}] {step.name} ...", file=sys.stderr, flush=True)
-        outcome = run_step(step, out, since, deadline - time.monotonic(), gpu)
-        outcomes.append(outcome)
-        print(f"[{i}/{len(steps)}] {step.name}: {outcome.status}"
-              + (f", rc {outcome.rc}" if outcome.rc is not None else "")
-              + (f" in {outcome.seconds:.0f} s" if outcome.started else "")
-              + (f" ({outcome.why})" if outcome.why else ""), file=sys.stderr, flush=True)
-        # server_code ties every result of the session to the source it ran (a GPU host's copy has no history).
-        (out / "plan.json").write_text(json.dumps({"plan": str(args.plan), "since": since, **host,
-                                                   "steps": [asdict(o) for o in outcomes]}, indent=1))
+    if args.pack:
+        signal.signal(signal.SIGTERM, _stopped)
+    try:
+        for i, step in enumerate(steps, 1):
+            print(f"[{i}/{len(steps)}] {step.name} ...", file=sys.stderr, flush=True)
+            outcome = run_step(step, out, since, deadline - time.monotonic(), gpu)
+            outcomes.append(outcome)
+            print(f"[{i}/{len(steps)}] {step.name}: {outcome.status}"
+                  + (f", rc {outcome.rc}" if outcome.rc is not None else "")
+                  + (f" in {outcome.seconds:.0f} s" if outcome.started else "")
+                  + (f" ({outcome.why})" if outcome.why else ""), file=sys.stderr, flush=True)
+            # server_code ties every result of the session to the source it ran (a GPU host's copy has no history).
+            (out / "plan.json").write_text(json.dumps({"plan": str(args.plan), "since": since, **host,
+                                                       "steps": [asdict(o) for o in outcomes]}, indent=1))
+    finally:
+        if args.pack:
+            print(f"packed into {pack(out, Path(args.plan).stem)}", file=sys.stderr, flush=True)
     return 0 if all(o.status == "done" for o in outcomes) else 1
 
 

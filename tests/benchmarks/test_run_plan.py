@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +79,58 @@ steps:
     pid = int((out / "child.pid").read_text())
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     assert proc.returncode == 1
+
+
+def archived(archive: Path) -> dict[str, str]:
+    with tarfile.open(archive) as tar:
+        return {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+
+
+def test_pack_leaves_one_archive_of_every_steps_files_read_by_later_steps_first(tmp_path):
+    plan = """
+steps:
+  - name: first
+    run: mkdir -p {out}/sweep && echo one > {out}/sweep/line.jsonl
+  - name: second
+    run: cat {out}/sweep/line.jsonl && echo two > {out}/b.json
+"""
+    proc, out = run_plan(tmp_path, plan, 200, "--pack")
+    assert proc.returncode == 0, proc.stderr
+    archive = out / "plan.tar.gz"  # named after the plan file
+    assert [p.name for p in out.iterdir()] == ["plan.tar.gz"] and f"packed into {archive}" in proc.stderr
+    files = archived(archive)
+    assert sorted(files) == ["b.json", "first.log", "plan.json", "second.log", "sweep/line.jsonl"]
+    assert "one\n" in files["second.log"]  # the second step read the first's file before the packing
+    assert [s["status"] for s in json.loads(files["plan.json"])["steps"]] == ["done", "done"]
+
+
+def test_a_plan_stopped_with_sigterm_packs_what_it_has_and_stops_its_step(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("""
+steps:
+  - name: quick
+    run: echo fine > {out}/quick.txt
+  - name: slow
+    run: sleep 60 & echo $! > {out}/child.pid; echo waiting; sleep 60
+""")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run_plan", str(path), "--out", str(out),
+                             "--deadline-s", "200", "--pack"], cwd=REPO, env=child_env(),
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    # Stopped once the slow step's child is up and its log says so.
+    while not (out / "slow.log").exists() or "waiting" not in (out / "slow.log").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    pid = int((out / "child.pid").read_text())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert [p.name for p in out.iterdir()] == ["plan.tar.gz"]
+    files = archived(out / "plan.tar.gz")
+    assert files["quick.txt"] == "fine\n" and "waiting" in files["slow.log"]
+    assert [s["name"] for s in json.loads(files["plan.json"])["steps"]] == ["quick"]
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
 
 def test_steps_that_no_longer_fit_the_deadline_are_skipped_and_said_so(tmp_path):
