@@ -167,7 +167,8 @@ def main() -> int:
     p.add_argument("--out", required=True, help="results folder (created)")
     p.add_argument("--deadline-s", type=float, required=True, help="seconds from now the whole plan must end by")
     p.add_argument("--since", default=None, help="{since} in commands (default: now, to the minute, UTC)")
-    p.add_argument("--pack", action="store_true", help="at the end, the folder's files as one archive in it, OUT/PLAN.tar.gz")
+    p.add_argument("--pack", action="store_true",
+                   help="at the end, the folder's files as one archive in it, OUT/PLAN.tar.gz")
     args = p.parse_args()
     try:
         steps = load_plan(args.plan)
