@@ -176,8 +176,6 @@ def main() -> int:
               "lookahead_steps": engine.lookahead_steps, "admission_steps": engine.admission_steps,
               "admissions_ahead": engine.admissions_ahead, "places_taken_ahead": engine.places_taken_ahead,
               "held_back": dict(engine.held_back),  # steps not launched ahead, by why (Engine.held_back)
-              # Eager steps whose LoRA read the decode graphs' held stack (kernel_shapes eager_held_stacked).
-              "eager_held_steps": engine.eager_held_steps,
               # Triton kernel variants built inside the window (compiled or read from the disk cache), and in
               # all: None where Triton has no build hooks; none under the CPU interpreter.
               "kernel_builds_window": builds.summary(built_before), "kernel_builds": builds.summary(),

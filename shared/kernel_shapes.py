@@ -50,13 +50,6 @@ Words, comma-separated:
                         adapters, 2.8% less at 256 over 8, 1.5% less at S2's 256 over 5, and served S-GQA n = 5
                         went from 43.91 to 45.94 req/s; gathered every step they gained 5% at 512 over 5 but lost
                         6.5% at 256 over 8 (docs/benchmarks.md, 2026-12-06 06:12)
-  eager_held_stacked    an eager step (a prefill or admission step) whose adapters the decode graphs' held stack
-                        holds runs its LoRA as the same dense products over the held rows (ops.stacked_lora)
-                        instead of the segment kernels: over 5 adapters S-GQA's admission step spends ~22 ms of
-                        its ~156 in the segment kernels, 15.6 of them in the expand at 0.59 of the copy ceiling
-                        (docs/benchmarks.md, 2026-12-07); off: timed on an H100 in the engine alone, the admission
-                        steps took as long either way (148.3-148.5 against 146.2 ms of GPU, docs/benchmarks.md,
-                        2026-12-07 12:46)
   graph_batch_step=N    decode graphs are captured for batches every N rows past 256 (every min(N, 32) from 128
                         to 256; N a power of two, 8 to 64; default 64): a step replays the smallest graph holding
                         its rows, and its base GEMMs, bound by their FLOPs at served batches, compute the padding
@@ -112,7 +105,6 @@ class LaunchShapes:
     graph_few_deal_max: int = 8  # 0 (no_graph_few_deal_max): up to the graph's bound on busy segments
     graph_few_stacked: int = 8  # 0 (no_graph_few_stacked): the segment kernels at every step
     graph_stacked_held: int = 256  # 0 (no_graph_stacked_held): a stacked graph gathers its rows every step
-    eager_held_stacked: bool = False
     graph_batch_step: int = 64  # rows between decode graphs' batch sizes past 256
     expand_rank_whole: bool = False
     expand_registers: int = 56  # 0 (no_expand_registers): the compiler's choice

@@ -20,7 +20,6 @@ def test_words_set_the_shapes_they_name():
     assert LaunchShapes.parse("no_split_mixed,split_mixed").split_mixed
     assert LaunchShapes.parse("graph_few_expand_deal").graph_few_expand_deal
     assert not LaunchShapes().graph_few_expand_deal
-    assert LaunchShapes.parse("eager_held_stacked").eager_held_stacked and not LaunchShapes().eager_held_stacked
     assert LaunchShapes.parse("graph_few_shrink_deal").graph_few_shrink_deal
     assert not LaunchShapes().graph_few_shrink_deal
 

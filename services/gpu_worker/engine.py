@@ -23,8 +23,8 @@ from shared.model_config import ModelConfig
 from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
-from .cuda_graphs import LORA_GROUPS, DecodeGraphs, groups_of_modules, step_residents
-from .graph_stacks import GraphStacks, stack_eager_lora
+from .cuda_graphs import LORA_GROUPS, DecodeGraphs, groups_of_modules
+from .graph_stacks import GraphStacks
 from .held_stacks import HeldStacks, held_bytes
 from .kernel_builds import watch_builds
 from .kernels.launch_shapes import launch_shapes, set_launch_shapes
@@ -82,7 +82,6 @@ class Engine:
         # One spare page-table row (and slot) for the padding rows of graph-replayed decode steps.
         self.page_table = PageTable(config.max_running_requests + 1, self.max_model_len, self.device)
         self.graphs = self._decode_graphs() if self.device.type == "cuda" and config.cuda_graphs else None
-        self.eager_held_steps = 0  # eager steps whose LoRA read the graphs' held stack (eager_held_stacked)
         # Slots held for the engine's whole life, by no request or adapter: the graphs' padding slot.
         self.reserved_slots = 1 if self.graphs is not None else 0
         self.waiting: deque[Sequence] = deque()
@@ -239,9 +238,6 @@ class Engine:
             flight.replayed = True
         else:
             batch, samplers = build_batch(scheduled, self.adapters.tables, self.page_table, self.device)
-            if self.graphs is not None and launch_shapes().eager_held_stacked:
-                self.eager_held_steps += stack_eager_lora(self.graphs.stacks, batch.lora,
-                                                          step_residents([seq for seq, _ in scheduled]))
             if device_tokens is not None:  # the first len(rows) requests decode: input i is request i's one token
                 ids, rows = device_tokens
                 batch.input_ids[:rows.shape[0]].copy_(ids.index_select(0, rows))

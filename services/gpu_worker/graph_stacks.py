@@ -133,18 +133,6 @@ class GraphStacks:
             _copy(self.lookup, lookup)
             self.looked_up = key
 
-    def held_columns_for(self, residents: list[Resident]) -> int:
-        """The held stack's columns if its buffers hold every one of `residents`' rows and its column owners and
-        lookup point at the adapters it holds (so their tokens find their columns); 0 otherwise. A step over
-        some of the held adapters reads the stack as it is: the others' columns are masked out for its tokens."""
-        if self.gathered is None:
-            return 0
-        columns, key = self.gathered
-        if not (_same(key, self.filled.get(columns)) and _same(key, self.looked_up)):
-            return 0
-        held = {id(r) for r in key}  # by identity, as fill compares them: a reloaded adapter is another
-        return columns if all(id(r) in held for r in residents) else 0
-
     def operands(self, pool, layer: int, modules: tuple[int, ...], columns: int, held: bool
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One layer's stacked A and Bᵀ of a group (ops.stacked_lora.gather_stack's): read in place from the held
@@ -153,16 +141,3 @@ class GraphStacks:
         if held:
             return self.held_stacks.views(layer, modules, rows)
         return gather_stack(pool.k(layer), pool.v(layer), rows)
-
-
-def stack_eager_lora(stacks: GraphStacks | None, lora, residents: list[Resident]) -> bool:
-    """kernel_shapes eager_held_stacked: point an eager step's LoRA (ops.meta.LoraBatch) at the held stack when it
-    holds the step's adapters (`residents`, the step's distinct ones), so the model runs the dense products over
-    the held rows instead of the segment kernels. Returns whether it did."""
-    if lora is None or stacks is None or not residents:
-        return False
-    columns = stacks.held_columns_for(residents)
-    if not columns:
-        return False
-    lora.stacks, lora.stack_columns, lora.stack_held = stacks, columns, True
-    return True

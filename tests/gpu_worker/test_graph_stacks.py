@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.gpu_worker.engine import Engine
-from services.gpu_worker.graph_stacks import GraphStacks, stack_eager_lora, stacked_columns
+from services.gpu_worker.graph_stacks import GraphStacks, stacked_columns
 from services.gpu_worker.held_stacks import HeldStacks, held_bytes
 from services.gpu_worker.model import DOWN, GATE_UP, O, QKV
 from services.gpu_worker.ops.meta import LoraBatch
@@ -202,48 +202,3 @@ def test_a_held_gather_copies_only_the_groups_its_adapters_adapt(engine_with_res
         g_a, g_bts = stacks.operands(pool, 1, modules, 64, held=False)
         assert torch.equal(a, g_a) and all(torch.equal(x, y) for x, y in zip(bts, g_bts))
     assert held.a[GATE_UP].abs().sum() > 0
-
-
-def test_an_eager_step_takes_the_held_stack_only_while_it_holds_the_steps_adapters(engine_with_residents):
-    engine, residents, stacks = engine_with_residents
-    attn, mlp, every = residents["attn"], residents["mlp"], residents["all"]
-    assert stacks.held_columns_for([attn]) == 0  # nothing gathered yet
-    stacks.fill(64, [mlp, attn], engine.pool, held=True)
-    assert stacks.held_columns_for([attn]) == stacks.held_columns_for([attn, mlp]) == 64
-    assert stacks.held_columns_for([every]) == stacks.held_columns_for([attn, every]) == 0
-    # A graph over other adapters points the columns' owners and the lookup elsewhere (its rows gathered each
-    # step): the held rows are still there, but a token would not find its columns.
-    stacks.fill(64, [every])
-    assert stacks.held_columns_for([attn]) == 0
-    stacks.fill(64, [mlp, attn], engine.pool, held=True)
-    assert stacks.held_columns_for([mlp]) == 64
-    lora = LoraBatch(tables=engine.adapters.tables, token_adapter=torch.zeros(1, dtype=torch.int32), max_rank=(32,) * 7)
-    assert not stack_eager_lora(stacks, lora, [every]) and lora.stack_columns == 0
-    assert not stack_eager_lora(None, lora, [mlp]) and not stack_eager_lora(stacks, None, [mlp])
-    assert stack_eager_lora(stacks, lora, [mlp]) and (lora.stacks, lora.stack_columns, lora.stack_held) == (
-        stacks, 64, True)
-
-
-def test_an_eager_prefills_lora_through_the_held_stack_equals_the_segment_ops(engine_with_residents):
-    engine, residents, stacks = engine_with_residents
-    model, cfg = engine.model, engine.cfg
-    stacks.fill(64, [residents["mlp"], residents["attn"], residents["all"]], engine.pool, held=True)
-    # Prompts' runs of tokens, as an admission step lays them out, over two of the three held adapters, beside
-    # base-model tokens.
-    ids = [residents["attn"].resident_id] * 7 + [-1] * 3 + [residents["mlp"].resident_id] * 9
-    token_adapter = torch.tensor(ids, dtype=torch.int32)
-    step = [residents["attn"], residents["mlp"]]
-    for layer, modules, dims, x, base in group_inputs(cfg, len(ids), seed=11):
-        outs = []
-        for held in (False, True):
-            lora = LoraBatch(tables=engine.adapters.tables, token_adapter=token_adapter, max_rank=(32,) * 7,
-                             segment_lengths=(7, 3, 9))
-            if held:
-                assert stack_eager_lora(stacks, lora, step)
-            model.prepare_lora(lora)
-            out = base.clone()
-            model._lora(x, out, lora, engine.pool, layer, modules, dims)
-            outs.append(out)
-        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
-        assert (outs[1] - base)[token_adapter < 0].abs().max() == 0
-        assert (outs[1] - base).abs().max() > 0  # the adapters did add something

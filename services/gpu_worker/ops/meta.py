@@ -64,8 +64,7 @@ class LoraBatch:
     # A decode graph's stacked LoRA (kernel_shapes graph_few_stacked): the stacks (graph_stacks.GraphStacks) and
     # the column count of the buffers it reads; the model then runs ops.stacked_lora instead of the backend's
     # shrink and expand. 0: the segment launches. stack_held: the rows are read from the held buffers
-    # (held_stacks.py), not gathered from the pool. An eager step reads the held stack too where it holds the
-    # step's adapters (kernel_shapes eager_held_stacked, graph_stacks.stack_eager_lora).
+    # (held_stacks.py), not gathered from the pool.
     stacks: object | None = None
     stack_columns: int = 0
     stack_held: bool = False
