@@ -46,6 +46,14 @@ class EngineConfig:
                                    "request has a place (the scheduler refills the queue one request per finished "
                                    "one, so at saturation rounds then shrink to a few prompts each; holding them for 0.5 s "
                                    "cost S2 11-15% of its throughput on an H200, docs/benchmarks.md)", 0.0)
+    decode_reserve: float = _doc("share of the running requests' remaining output tokens (to max_tokens) whose KV "
+                                 "slots admission keeps free, so that admitting a prompt does not force a running "
+                                 "request out to be recomputed later; taken at every preemption, then eased to "
+                                 "decode_reserve_low over decode_reserve_ease_s (services/gpu_worker/"
+                                 "decode_reserve.py); 0 = admit whatever fits now", 0.0)
+    decode_reserve_low: float = _doc("the share decode_reserve eases down to while no request is preempted", 0.1)
+    decode_reserve_ease_s: float = _doc("seconds without a preemption for decode_reserve to ease down to "
+                                        "decode_reserve_low", 20.0)
     max_model_len: int = _doc("prompt + output tokens at most; 0 = model's max_position_embeddings", 0)
     seed: int = _doc("seed for dummy weights", 0)
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
@@ -115,6 +123,16 @@ class EngineConfig:
         if isinstance(self.admission_wait_s, bool) or not isinstance(self.admission_wait_s, (int, float)) \
                 or not self.admission_wait_s >= 0:
             raise ValueError(f"admission_wait_s must be a number of seconds >= 0, got {self.admission_wait_s!r}")
+        for name in ("decode_reserve", "decode_reserve_low"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a share from 0 to 1, got {value!r}")
+        if self.decode_reserve and self.decode_reserve_low > self.decode_reserve:
+            raise ValueError(f"decode_reserve_low ({self.decode_reserve_low!r}) must not exceed decode_reserve "
+                             f"({self.decode_reserve!r})")
+        if isinstance(self.decode_reserve_ease_s, bool) or not isinstance(self.decode_reserve_ease_s, (int, float)) \
+                or not self.decode_reserve_ease_s >= 0:
+            raise ValueError(f"decode_reserve_ease_s must be a number of seconds >= 0, got {self.decode_reserve_ease_s!r}")
         if isinstance(self.kv_slot_run, bool) or not isinstance(self.kv_slot_run, int) or not 1 <= self.kv_slot_run <= 256:
             raise ValueError(f"kv_slot_run must be an integer from 1 to 256, got {self.kv_slot_run!r}")
         if isinstance(self.pool_memory_fraction, bool) or not isinstance(self.pool_memory_fraction, (int, float)) \

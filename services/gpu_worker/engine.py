@@ -23,6 +23,7 @@ from shared.model_config import ModelConfig
 from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
+from .decode_reserve import DecodeReserve
 from .cuda_graphs import LORA_GROUPS, DecodeGraphs, groups_of_modules
 from .graph_stacks import GraphStacks
 from .held_stacks import HeldStacks, held_bytes
@@ -93,6 +94,8 @@ class Engine:
         self._deferred_aborts: list[str] = []
         self._order = 0
         self.num_preemptions = 0
+        self.reserve = DecodeReserve(config.decode_reserve, min(config.decode_reserve_low, config.decode_reserve),
+                                     config.decode_reserve_ease_s)
         self.step_stats = StepStats()  # steps, seconds and tokens by kind of step (step_stats.py)
         self.kernel_builds = watch_builds()  # kernels built under load, counted in the steps that met them
         self.admission_steps = 0  # steps that admitted waiting requests, launched ahead or not
@@ -436,6 +439,8 @@ class Engine:
         """Append to `scheduled` the waiting requests an admission round takes now, within `budget` tokens."""
         self._admitting = self._admitting or self._admission_due()
         before = len(scheduled)
+        share = self.reserve.share() if self.reserve.enabled and self._admitting and self.waiting else 0.0
+        kept = self.reserve.slots(map(self._remaining_output, self.running), share) if share else 0
         i = 0  # position in the waiting queue
         passed = 0  # waiting requests passed over because their adapter is still on its way from the store
         while (self._admitting and i < len(self.waiting) and passed < ADMISSION_SCAN and budget > 0
@@ -460,11 +465,13 @@ class Engine:
                 del self.waiting[i]
                 self._fail(seq, f"adapter {name!r} cannot be loaded: {exc}")
                 continue
-            # Admit only what fits now (evicting unused adapters if needed): a request never holds an
-            # adapter's slots while it waits.
-            fits = self.adapters.can_make_room(need, keep=name)
+            # Admit only what fits now (evicting unused adapters if needed), beside the slots kept back for the
+            # decode tokens of those running and of this one: a request never holds an adapter's slots while it
+            # waits, nor takes the slots a running request is about to need.
+            own = self.reserve.slots([self._remaining_output(seq)], share) if share else 0
+            fits = self.adapters.can_make_room(need + kept + own, keep=name)
             if not fits and self._reclaim_spare_slots():
-                fits = self.adapters.can_make_room(need, keep=name)
+                fits = self.adapters.can_make_room(need + kept + own, keep=name)
             if not fits:
                 if not self.running:
                     del self.waiting[i]
@@ -487,6 +494,7 @@ class Engine:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+            kept += own
         if not self.waiting or len(self.running) >= self.config.max_running_requests:
             self._admitting = False  # the round is over: the batch is full or nobody waits
         self.admission_steps += len(scheduled) > before
@@ -520,6 +528,10 @@ class Engine:
         if not wait_s or free >= self.admission_round:
             return True
         return time.monotonic() - min(seq.queued_at for seq in self.waiting) >= wait_s
+
+    def _remaining_output(self, seq: Sequence) -> int:
+        return DecodeReserve.remaining_output(seq.req.sampling.max_tokens, seq.num_output, len(seq.tokens),
+                                              self.max_model_len)
 
     @staticmethod
     def _slots_needed(seq: Sequence, n: int) -> int:
@@ -570,6 +582,7 @@ class Engine:
         self._release_slots(seq)
         seq.num_computed = 0
         self.num_preemptions += 1
+        self.reserve.preempted()
         self.waiting.appendleft(seq)
 
     def _release_slots(self, seq: Sequence) -> None:
@@ -625,6 +638,7 @@ class Engine:
             "waiting": len(self.waiting),
             "resident_adapters": self.adapters.names,
             "preemptions": self.num_preemptions,
+            "decode_reserve_share": round(self.reserve.share(), 3) if self.reserve.enabled else 0.0,
             "adapter_loads": self.adapters.loads,
             "adapter_bytes_loaded": self.adapters.bytes_loaded,
             "step_stats": self.step_stats,
