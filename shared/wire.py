@@ -179,6 +179,9 @@ class WorkerStatus(Message):
     adapter_loads: int = 0  # adapters copied into the GPU pool since the worker started
     adapter_load_bytes: int = 0  # bytes of those copies
     preemptions: int = 0  # running requests preempted (KV freed, recomputed later) since the worker started
+    # The share of running requests' remaining output whose KV slots admission keeps free now (decode_reserve;
+    # 0 = none kept).
+    decode_reserve_share: float = 0.0
     evictable_slots: int = 0  # adapter slots of unused resident adapters, KV's on demand (unified pool)
     # Since the worker started, by kind of step (graph, decode, prefill; services/gpu_worker/step_stats.py):
     # steps run, seconds from their scheduling until their tokens reached the host, and tokens computed;

@@ -59,3 +59,18 @@ def test_tiny_pool_preempts_under_load_and_outputs_equal_a_roomy_pool(stack_fact
     assert all(n == MAX_TOKENS for _, n in squeezed)
     assert squeezed == roomy
     idle_without_leaks(tiny)
+
+
+def test_a_full_decode_reserve_serves_the_same_tokens_without_preempting(stack_factory, general_stack):
+    # Admission keeps every running request's remaining output slots free: requests wait in the worker
+    # instead of being preempted and recomputed, and finish with the same tokens.
+    reserved = stack_factory("kv-reserved", "--demo-adapters", "2", "--num-slots", str(TINY_POOL_SLOTS),
+                             "--set", "worker.max_running_requests=8", "--set", "scheduler.first_token_slo_s=0",
+                             "--set", "worker.decode_reserve=1.0", "--set", "worker.decode_reserve_low=1.0")
+    assert metric(reserved.metrics(), "loraplex_decode_reserve_share", worker="worker-0") == 1.0
+    roomy = run_all(general_stack)
+    got = run_all(reserved)
+    assert preemptions(reserved) == 0
+    assert all(n == MAX_TOKENS for _, n in got)
+    assert got == roomy
+    idle_without_leaks(reserved)
