@@ -47,10 +47,14 @@ import yaml
 from bench import child_env, write_file_atomically
 from bench.roofline import MAX_RUNNING
 from bench.settings import Setting, get_setting
-from bench.stack import NO_UNIFY_ADAPTERS, Stack, StackConfig, check_policy, check_system
+from bench.stack import NO_UNIFY_ADAPTERS, Stack, StackConfig, check_policy, check_system, registry_dir
 
 MORE_PIECES = 3
 DEFAULT_BUDGET_S = 540.0
+# Seconds a stack takes to register one new adapter until this host has timed its own (2000 of S2's took 37-46 s
+# on the GPU hosts): a fresh host's registry is empty, and a stack that starts without counting them may leave
+# its first point too little time to finish.
+REGISTRATION_S_PER_ADAPTER = 0.025
 # The sweep fields a system may set for itself (SweepSpec.by_system).
 BY_SYSTEM = ("n", "request_timeout_s", "point_tail_s")
 ADAPTER_SYSTEMS = ("loraplex", "merge", "bmm", "no-unify", "peft")  # systems that serve the population
@@ -361,16 +365,40 @@ class Driver:
         return p.duration_s + self.timings.get("point_tail", self.timing_key(p.system),
                                                self.spec.own(p.system, "point_tail_s"))
 
-    def startup_estimate(self, system: str) -> float:
+    def startup_estimate(self, system: str, n: int = 0) -> float:
+        """A stack's start, the registration of those of its n adapters its registry lacks, and its warm-up."""
         warmup = self.spec.stack_warmup_s + self.spec.point_tail_s if self.spec.stack_warmup_s else 0.0
-        return self.timings.get("startup", self.timing_key(system), self.spec.startup_s) + warmup
+        return (self.timings.get("startup", self.timing_key(system), self.spec.startup_s)
+                + self.registration_estimate(system, n) + warmup)
+
+    def registry(self) -> Path:
+        """The data folder of the stacks serving this sweep's adapter population."""
+        return registry_dir(self.work_dir, self.population_dir().name, self.lane)
+
+    def registration_estimate(self, system: str, n: int) -> float:
+        if system not in ADAPTER_SYSTEMS or n <= 0:
+            return 0.0
+        registry = self.registry()
+        # Registered by an earlier stack of this host (noted once complete), while its data folder stands.
+        known = self.timings.get("registered", str(registry), 0.0) if registry.is_dir() else 0.0
+        per_adapter = self.timings.get("registration_s_per_adapter", self.spec.setting, REGISTRATION_S_PER_ADAPTER)
+        return max(0.0, n - known) * per_adapter
+
+    def note_registration(self, n: int, reg) -> None:
+        if not reg.complete:
+            return
+        self.timings.note("registered", str(self.registry()), float(n))
+        if reg.created >= 50:  # enough to time; a handful is mostly the call's fixed cost
+            self.timings.note("registration_s_per_adapter", self.spec.setting, reg.seconds / reg.created)
 
     # ---- adapters ----------------------------------------------------------------------------------
+    def population_dir(self) -> Path:
+        return self.work_dir / "adapters" / f"{self.setting.name}-s{self.spec.seed}"
+
     def population(self, n: int):
         from bench.adapters import generate_adapters
 
-        folder = self.work_dir / "adapters" / f"{self.setting.name}-s{self.spec.seed}"
-        return generate_adapters(self.setting, folder, n, seed=self.spec.seed,
+        return generate_adapters(self.setting, self.population_dir(), n, seed=self.spec.seed,
                                  byte_budget=int(self.spec.adapter_budget_gb * 1e9), progress=self.progress,
                                  deadline=self.started + self.budget_s - self.spec.stop_s)
 
@@ -400,7 +428,7 @@ class Driver:
             return result
         ceilings = None
         for i, ((_, system, _, policy), group) in enumerate(pending):
-            why = self.stack_fits(system, group[0])
+            why = self.stack_fits(system, group)
             if why:
                 if i == 0 and self.elapsed() < 0.1 * self.budget_s:  # a fresh piece cannot fit it: none ever will
                     raise ValueError(f"sweep {self.spec.name}: {why}, in a fresh piece of "
@@ -438,12 +466,13 @@ class Driver:
         mine = [(key, [p for p in group if next(order) % n == i]) for key, group in pending]
         return [(key, group) for key, group in mine if group]
 
-    def stack_fits(self, system: str, first) -> str:
-        """Why a stack of `system` and its first point would not fit in what is left of the budget, by the
-        estimates (a start measured slower before counts), or "" when they do. Later points of a started stack
-        are taken one by one while the real time left holds them (run_group), so a piece whose start and
-        points go faster than estimated measures more instead of leaving its budget unused."""
-        need = self.startup_estimate(system) + self.spec.stop_s + self.point_estimate(first)
+    def stack_fits(self, system: str, group: list) -> str:
+        """Why a stack of `system` and the group's first point would not fit in what is left of the budget, by
+        the estimates (a start measured slower before counts; adapters its registry lacks), or "" when they do.
+        Its points are taken one by one while the real time left holds them (run_group), so a piece whose start
+        and points go faster than estimated measures more instead of leaving its budget unused."""
+        n = max((p.n_adapters for p in group if p.system != "base-only"), default=0)
+        need = self.startup_estimate(system, n) + self.spec.stop_s + self.point_estimate(group[0])
         if need > self.left():
             return (f"a {system} stack and its first point need ~{need:.0f} s; "
                     f"~{self.left():.0f} s of the budget are left")
@@ -455,6 +484,9 @@ class Driver:
         from bench.point import PointOverran
         from bench.stack import stack_info
 
+        why = self.stack_fits(system, group)  # again: the ceilings and the adapters' generation took time too
+        if why:
+            return why
         config = self.stack_config(system, n, policy, population)
         registration_deadline = self.started + self.budget_s - self.point_estimate(group[0]) - self.spec.stop_s
         note(f"starting {config.label} ({self.left():.0f} s of the budget left)")
@@ -466,6 +498,7 @@ class Driver:
                 reg = stack.registration
                 note(f"  registered {reg.created} new adapters in {reg.seconds:.1f} s ({reg.rate:.1f}/s), "
                      f"{reg.already} already there")
+                self.note_registration(n, reg)
                 if not reg.complete:
                     return "adapter registration reached the budget; it continues in the next piece"
             info = stack_info(stack)
@@ -473,7 +506,9 @@ class Driver:
             if self.spec.stack_warmup_s:
                 self.warm_up(stack, group[0])
             for i, p in enumerate(group):
-                if i > 0 and self.point_estimate(p) + self.spec.stop_s > self.left():
+                # The first point too: a start, registration or warm-up slower than estimated may have taken
+                # its time, and a point cut off at the budget leaves no line.
+                if self.point_estimate(p) + self.spec.stop_s > self.left():
                     return f"the next point needs ~{self.point_estimate(p):.0f} s, {self.left():.0f} s are left"
                 try:
                     line = self.run_one(stack, p, ceilings, pool_slots, info, population)

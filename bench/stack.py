@@ -76,6 +76,11 @@ def no_unify_slots(setting: Setting, adapters: int = NO_UNIFY_ADAPTERS, num_slot
     return min(slots, num_slots // 2) if num_slots else slots
 
 
+def registry_dir(work_dir: Path, population: str, lane: str = "") -> Path:
+    """A stack's data folder (its Redis registry among it), one per adapter population and lane."""
+    return work_dir / "data" / (f"{population}-{lane}" if lane else population)
+
+
 @dataclass
 class StackConfig:
     setting: Setting
@@ -160,8 +165,8 @@ class Stack:
     def data_dir(self) -> Path:
         """One per adapter population: its Redis registry holds exactly that population's names."""
         pop = self.config.population
-        name = pop.root.name if pop is not None else self.config.setting.name
-        return self.config.work_dir / "data" / (f"{name}-{self.config.lane}" if self.config.lane else name)
+        return registry_dir(self.config.work_dir, pop.root.name if pop is not None else self.config.setting.name,
+                            self.config.lane)
 
     def flags(self) -> list[str]:
         """The `--set` flags of this system and policy."""

@@ -169,13 +169,56 @@ def test_a_stack_starts_only_if_its_start_first_point_and_stop_fit_in_the_time_l
     spec = SweepSpec.from_dict({"name": "x", "setting": "S2", "systems": ["loraplex", "bmm"], "n": [5, 100],
                                 "rates": [10], "duration_s": 100, "startup_s": 50, "point_tail_s": 20, "stop_s": 10})
     driver = Driver(spec, tmp_path / "work", tmp_path / "x.jsonl", budget_s=181, progress=False)
-    first = expand(spec)[0]
-    assert driver.stack_fits("loraplex", first) == ""  # 50 + 10 + 120 = 180
+    first = [expand(spec)[0]]
+    # 50 + 10 + 120 = 180, and 5 adapters to register at 0.025 s each
+    assert driver.stack_fits("loraplex", first) == ""
     # A host that has been slower raises the estimates: then the stack waits for the next piece.
     driver.timings.note("startup", "S2/loraplex", 52.0)
     why = driver.stack_fits("loraplex", first)
     assert "loraplex stack and its first point need ~182 s" in why and "~181 s of the budget are left" in why
     assert driver.stack_fits("bmm", first) == ""  # estimates are kept per system
+
+
+def test_a_stack_counts_the_adapters_its_registry_lacks(tmp_path):
+    from bench.adapters import Registration
+
+    spec = SweepSpec.from_dict({"name": "x", "setting": "S2", "systems": ["loraplex", "base-only"], "n": [2000],
+                                "rates": [10], "duration_s": 100, "startup_s": 50, "point_tail_s": 20, "stop_s": 10})
+    driver = Driver(spec, tmp_path / "work", tmp_path / "x.jsonl", budget_s=300, progress=False)
+    # A fresh host: all 2000 to register, at 0.025 s each until it has timed its own.
+    assert driver.registration_estimate("loraplex", 2000) == pytest.approx(50.0)
+    assert driver.startup_estimate("loraplex", 2000) == pytest.approx(100.0)
+    assert driver.registration_estimate("base-only", 2000) == 0.0  # serves no adapter
+    assert driver.stack_fits("loraplex", expand(spec)[:1]) == ""  # 50 + 50 + 10 + 120 = 230 of 300
+    tight = Driver(spec, tmp_path / "work", tmp_path / "x.jsonl", budget_s=229, progress=False)
+    assert "loraplex stack and its first point need ~230 s" in tight.stack_fits("loraplex", expand(spec)[:1])
+    # A registration stopped short says nothing of what the registry holds.
+    driver.note_registration(2000, Registration(requested=2000, created=900, seconds=30.0, stopped_at_deadline=True))
+    assert driver.registration_estimate("loraplex", 2000) == pytest.approx(50.0)
+    # A complete one, slower than the default: the registry holds them all while its folder stands; a
+    # larger population registers the rest at the rate this host took.
+    driver.note_registration(2000, Registration(requested=2000, created=2000, seconds=80.0))
+    driver.registry().mkdir(parents=True)
+    assert driver.registration_estimate("loraplex", 2000) == 0.0
+    assert driver.registration_estimate("loraplex", 3000) == pytest.approx(40.0)  # 1000 at 0.04 s
+    # Its data folder gone (a fresh host with the old timings), every adapter is to register again.
+    driver.registry().rmdir()
+    assert driver.registration_estimate("loraplex", 2000) == pytest.approx(80.0)
+
+
+def test_a_stack_is_not_started_once_the_piece_has_spent_the_time_its_estimates_needed(tmp_path):
+    # The estimates fit a stack and its point in a fresh 8 s piece (1 s start, 1 s stop, 3 + 1 s point), but
+    # measuring the ceilings in a child process takes seconds before the stack would start: checked again
+    # then, it is left for the next piece instead of being cut off at the budget with no line.
+    spec = {**TWO_POINTS, "systems": ["loraplex"], "by_system": {}, "n": [2], "stack_warmup_s": 0,
+            "point_tail_s": 1}
+    spec_path = tmp_path / "tiny-two.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    work, out = tmp_path / "work", tmp_path / "out"
+    piece = sweep(spec_path, work, out, budget=8)
+    assert piece.returncode == 3, piece.stdout + piece.stderr
+    assert "a loraplex stack and its first point need ~6 s" in piece.stdout, piece.stdout
+    assert results(out) == [] and not (work / "logs").exists()  # no stack was started
 
 
 @pytest.mark.parametrize("values,message", [
