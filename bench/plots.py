@@ -46,7 +46,7 @@ SERIES_KEYS = GROUP_KEYS + ("batch", "variant", "card")
 # replaces the point's line nor counts for the targets, and the figures draw it as a line of its own.
 VARIANT_SETTINGS = ("worker.admission_wait_s", "worker.overlap_steps", "worker.overlap_admission",
                     "worker.direct_launch", "worker.kernel_shapes", "worker.kv_slot_run",
-                    "worker.pool_memory_fraction", "worker.decode_reserve")
+                    "worker.pool_memory_fraction", "worker.pool_headroom_gb", "worker.decode_reserve")
 DEFAULT_VARIANT = "as shipped"  # the label of the lines run without any of them, where a figure holds both
 
 

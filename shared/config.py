@@ -30,7 +30,14 @@ class EngineConfig:
     device: str = _doc("torch device: cpu or cuda[:N]", "cpu")
     dtype: str = _doc("compute dtype: float32, float16 or bfloat16", "float32")
     num_slots: int = _doc("slots in the unified pool (KV tokens and adapter rows share them); 0 = size from pool_memory_fraction", 4096)
-    pool_memory_fraction: float = _doc("fraction of free GPU memory for the pool when num_slots is 0", 0.85)
+    pool_memory_fraction: float = _doc("fraction of free GPU memory the pool takes at most when num_slots is 0 "
+                                       "(on a 141 GB card 0.94 leaves ~7.5 GiB, above every served peak beside "
+                                       "the pool)", 0.94)
+    pool_headroom_gb: float = _doc("GiB of the free GPU memory left beside the pool when num_slots is 0, for steps' "
+                                   "activations, the decode graphs and the allocator's cache: served peaks took "
+                                   "2.3-5.3 GiB with Llama-2-7B and Llama-3-8B shapes at running batches of "
+                                   "384-512 on H100 and H200 (docs/benchmarks.md, 2026-12-07); an amount, not a "
+                                   "share, since they do not grow with the card", 6.0)
     max_lora_rank: int = _doc("largest adapter rank accepted", 256)
     max_resident_adapters: int = _doc("adapters kept in the pool at once (resident table rows); 0 = "
                                       f"{DEFAULT_RESIDENT_ADAPTERS} (at least max_running_requests): unused ones stay "
@@ -133,6 +140,9 @@ class EngineConfig:
         if isinstance(self.decode_reserve_ease_s, bool) or not isinstance(self.decode_reserve_ease_s, (int, float)) \
                 or not self.decode_reserve_ease_s >= 0:
             raise ValueError(f"decode_reserve_ease_s must be a number of seconds >= 0, got {self.decode_reserve_ease_s!r}")
+        if isinstance(self.pool_headroom_gb, bool) or not isinstance(self.pool_headroom_gb, (int, float)) \
+                or not self.pool_headroom_gb >= 0:
+            raise ValueError(f"pool_headroom_gb must be a number of GiB >= 0, got {self.pool_headroom_gb!r}")
         if isinstance(self.kv_slot_run, bool) or not isinstance(self.kv_slot_run, int) or not 1 <= self.kv_slot_run <= 256:
             raise ValueError(f"kv_slot_run must be an integer from 1 to 256, got {self.kv_slot_run!r}")
         if isinstance(self.pool_memory_fraction, bool) or not isinstance(self.pool_memory_fraction, (int, float)) \

@@ -150,7 +150,9 @@ class Engine:
         if self.device.type != "cuda":
             raise ValueError("num_slots = 0 (size from memory) needs a CUDA device")
         free, _ = torch.cuda.mem_get_info(self.device)
-        budget = int(free * self.config.pool_memory_fraction)
+        budget = UnifiedPool.bytes_for_pool(free, self.config.pool_memory_fraction, self.config.pool_headroom_gb)
+        log.info("engine.pool_sized", free_gb=round(free / 2**30, 2), pool_gb=round(budget / 2**30, 2),
+                 share=round(budget / free, 3))
         return UnifiedPool.slots_for_bytes(budget, self.cfg.num_layers, self.cfg.kv_dim, self.dtype)
 
     # ---- requests -------------------------------------------------------------------------------

@@ -113,6 +113,18 @@ class UnifiedPool:
         self.kv[:, :, slots] = rows.to(self.dtype)
 
     @staticmethod
+    def bytes_for_pool(free: int, fraction: float, headroom_gb: float) -> int:
+        """The pool's share of `free` bytes of GPU memory: all but `headroom_gb` GiB, and at most `fraction`
+        of it. What the steps and graphs need beside the pool does not grow with the card, so an amount left
+        suits an 80 GB and a 141 GB card alike, where a share left idle ~19 GB on the larger one."""
+        budget = min(int(free * fraction), free - int(headroom_gb * 2**30))
+        if budget <= 0:
+            raise ValueError(f"the GPU has {free / 2**30:.1f} GiB free after the weights, not more than the "
+                             f"{headroom_gb:g} GiB pool_headroom_gb leaves beside the pool: lower "
+                             "pool_headroom_gb or set num_slots")
+        return budget
+
+    @staticmethod
     def slots_for_bytes(num_bytes: int, num_layers: int, slot_width: int, dtype: torch.dtype) -> int:
         per_slot = num_layers * 2 * slot_width * torch.empty((), dtype=dtype).element_size()
         return max(1, num_bytes // per_slot)
