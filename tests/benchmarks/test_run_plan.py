@@ -231,7 +231,7 @@ def test_the_shipped_plans_sweep_steps_are_given_a_budget_their_first_stack_fits
         least = min(step.cap_s, step.min_s) - MARGIN_S - 5
         driver = Driver(spec, tmp_path / step.name, tmp_path / "none.jsonl", budget_s=least, only=only)
         (_, system, _, _), group = groups(selected(expand(spec), only))[0]
-        why = driver.stack_fits(system, group[0])
+        why = driver.stack_fits(system, group)
         assert not why, f"{path.name}: {step.name}: {why}"
         checked += 1
     assert checked >= 4
