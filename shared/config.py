@@ -29,7 +29,7 @@ class EngineConfig:
 
     device: str = _doc("torch device: cpu or cuda[:N]", "cpu")
     dtype: str = _doc("compute dtype: float32, float16 or bfloat16", "float32")
-    num_slots: int = _doc("slots in the unified pool (KV tokens and adapter rows share them); 0 = size from pool_memory_fraction", 4096)
+    num_slots: int = _doc("slots in the unified pool (KV tokens and adapter rows share them); 0 = size from the free GPU memory (pool_headroom_gb, pool_memory_fraction)", 4096)
     pool_memory_fraction: float = _doc("fraction of free GPU memory the pool takes at most when num_slots is 0 "
                                        "(on a 141 GB card 0.94 leaves ~7.5 GiB, above every served peak beside "
                                        "the pool)", 0.94)

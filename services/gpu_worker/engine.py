@@ -23,8 +23,8 @@ from shared.model_config import ModelConfig
 from .adapter_layout import PackedAdapter, pack_adapter
 from .adapter_copy import SideStreamCopier
 from .batch_builder import build_batch
-from .decode_reserve import DecodeReserve
 from .cuda_graphs import LORA_GROUPS, DecodeGraphs, groups_of_modules
+from .decode_reserve import DecodeReserve
 from .graph_stacks import GraphStacks
 from .held_stacks import HeldStacks, held_bytes
 from .kernel_builds import watch_builds
