@@ -139,7 +139,8 @@ class EngineConfig:
                              f"({self.decode_reserve!r})")
         if isinstance(self.decode_reserve_ease_s, bool) or not isinstance(self.decode_reserve_ease_s, (int, float)) \
                 or not self.decode_reserve_ease_s >= 0:
-            raise ValueError(f"decode_reserve_ease_s must be a number of seconds >= 0, got {self.decode_reserve_ease_s!r}")
+            raise ValueError(f"decode_reserve_ease_s must be a number of seconds >= 0, got "
+                             f"{self.decode_reserve_ease_s!r}")
         if isinstance(self.pool_headroom_gb, bool) or not isinstance(self.pool_headroom_gb, (int, float)) \
                 or not self.pool_headroom_gb >= 0:
             raise ValueError(f"pool_headroom_gb must be a number of GiB >= 0, got {self.pool_headroom_gb!r}")

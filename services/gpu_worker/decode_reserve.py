@@ -18,7 +18,8 @@ from typing import Callable, Iterable
 class DecodeReserve:
     def __init__(self, high: float, low: float, ease_s: float, clock: Callable[[], float] = time.monotonic):
         if not 0 <= low <= high <= 1:
-            raise ValueError(f"decode reserve shares must satisfy 0 <= low <= high <= 1, got low={low!r}, high={high!r}")
+            raise ValueError(f"decode reserve shares must satisfy 0 <= low <= high <= 1, got low={low!r}, "
+                             f"high={high!r}")
         self.high, self.low, self.ease_s = high, low, ease_s
         self._clock = clock
         self._raised_at = clock()  # a fresh engine knows nothing of its traffic: start from the high share
