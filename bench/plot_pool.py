@@ -1,7 +1,8 @@
-"""What each point did with a pool the sweep sized (bench/sweeps/s2-memory.yaml: the unified pool against fixed
-KV and adapter parts where memory binds): the peak slots its KV cache and its adapters took, against the pool,
-beside the running batch's peak and the throughput it served. Peaks of the two kinds need not coincide, so
-they are drawn side by side, not stacked.
+"""What each point did with a pool where memory bound: one the sweep sized (bench/sweeps/s2-memory.yaml: the
+unified pool against fixed KV and adapter parts), or a whole GPU's that ran short (an 80 GB card at S2 n = 2000):
+the peak slots its KV cache and its adapters took, against the pool, beside the running batch's peak, the
+requests preempted for KV space (each recomputed later) and the throughput it served. Peaks of the two kinds
+need not coincide, so they are drawn side by side, not stacked.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 from bench.plot_steps import point_label, save_rows_figure
 
 USES = (("pool_kv_slots_peak", "KV cache, peak"), ("pool_adapter_slots_peak", "adapters, peak"))
-RESULTS = (("running_requests_peak", "running requests, peak"), ("throughput_rps", "throughput (req/s)"))
+RESULTS = (("running_requests_peak", "running requests, peak"), ("preemptions", "requests preempted"),
+           ("throughput_rps", "throughput (req/s)"))
 
 
 def plot_pool(lines: list[dict], title: str, path: Path) -> dict:

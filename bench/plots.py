@@ -8,7 +8,8 @@
 - throughput and SLO attainment vs request rate: one figure per setting, a line per system and n;
 - SLO attainment and user satisfaction vs cv: one figure per setting, a line per admission policy;
 - where each point's worker time went (steps by kind), for lines that record it (bench/plot_steps.py);
-- the peak KV and adapter slots of points on a pool the sweep sized, against it (bench/plot_pool.py);
+- the peak KV and adapter slots of points on a pool the sweep sized, or on a whole GPU's pool that ran short
+  (requests preempted), against it (bench/plot_pool.py);
 - over all files: loraplex's throughput and roofline fraction vs n, a line per setting (`plot_settings`),
   and every system measured on a baseline's trace vs n, log-scaled throughput (`plot_systems`): loraplex
   and base-only live in the saturation sweeps, the baselines in their own, and they differ by 100x or more;
@@ -224,8 +225,8 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
                                     "arrival cv", True, png, log_base=2)
 
     png = out_dir / f"{stem}-pool.png"
-    pool = plot_pool([x for x in lines if fixed_pool(x)],
-                     f"{stem}: the pool the sweep sized, and what each point did with it", png)
+    pool = plot_pool([x for x in lines if fixed_pool(x) or (x.get("preemptions") or 0) > 0],
+                     f"{stem}: the pool where memory bound, and what each point did with it", png)
     if pool:
         written[str(png)] = pool
 

@@ -273,9 +273,14 @@ def test_points_on_a_sized_pool_get_a_figure_of_what_they_did_with_it(tmp_path):
                                    "pool": list(zip(names, (108000.0, 108000.0)))}
     assert drawn[png]["running_requests_peak"] == list(zip(names, (256.0, 149.0)))
     assert drawn[png]["throughput_rps"] == list(zip(names, (25.5, 18.9)))
-    # Points on the whole GPU's pool get none.
+    assert drawn[png]["preemptions"] == list(zip(names, (0.0, 0.0)))
+    # Points on the whole GPU's pool get none, unless it ran short: requests were preempted for KV space.
     whole = [{k: v for k, v in x.items() if k != "num_slots"} for x in memory]
     assert not any(k.endswith("-pool.png") for k in plot_file(write(tmp_path / "whole.jsonl", whole)))
+    short = [{**whole[0], "preemptions": 1136}, {**whole[1], "preemptions": 0}]
+    drawn = plot_file(write(tmp_path / "short.jsonl", short))
+    png = str(tmp_path / "short-pool.png")
+    assert drawn[png]["preemptions"] == [(names[0], 1136.0)]
 
 
 def test_across_files_a_point_is_drawn_once_and_running_batches_get_lines_of_their_own(tmp_path):
