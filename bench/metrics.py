@@ -192,7 +192,7 @@ def _smi_row(line: str) -> tuple[float, float, float | None]:
 class ServerSampler:
     """Polls GET {base_url}/metrics every `interval_s` in a thread from start() to stop(); `report()` gives
     the run's peaks (pool slots summed over workers, queue, running requests), the increase of the adapter
-    load, load-byte and preemption counters, the share of samples in which the scheduler served its queue
+    load, load-byte, preemption and recomputed-token counters, the share of samples in which the scheduler served its queue
     newest first and the peak of its early-abort prefill estimate, and the peak GPU memory in use and the
     share of time the serving GPU ran a kernel (nvidia-smi, every `gpu_interval_s`; None where there is none).
 
@@ -216,7 +216,8 @@ class ServerSampler:
         self.last_error: str | None = None
         self.peaks: dict[str, float] = {}
         self.pool_total_slots: float | None = None
-        self.counters = {k: _CounterDelta() for k in ("adapter_loads", "adapter_load_bytes", "preemptions")}
+        self.counters = {k: _CounterDelta() for k in ("adapter_loads", "adapter_load_bytes", "preemptions",
+                                                       "recomputed_tokens")}
         self.step_counters = {(field, kind): _CounterDelta() for field, _ in STEP_COUNTERS for kind in STEP_KINDS}
         # (monotonic time, every step counter's increase so far) after each sample: steps_within() takes the
         # increase over the measured window alone. Over the whole run, the ramp's and the drain's small
@@ -304,7 +305,8 @@ class ServerSampler:
                 self.peaks["pool_free_slots_min"] = min(self.peaks.get("pool_free_slots_min", free), free)
             for key, name in (("adapter_loads", "loraplex_adapter_loads_total"),
                               ("adapter_load_bytes", "loraplex_adapter_load_bytes_total"),
-                              ("preemptions", "loraplex_preemptions_total")):
+                              ("preemptions", "loraplex_preemptions_total"),
+                              ("recomputed_tokens", "loraplex_recomputed_tokens_total")):
                 self.counters[key].update(by_label(samples, name, "worker"), baseline)
             for field, name in STEP_COUNTERS:
                 for kind in STEP_KINDS:

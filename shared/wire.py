@@ -179,6 +179,7 @@ class WorkerStatus(Message):
     adapter_loads: int = 0  # adapters copied into the GPU pool since the worker started
     adapter_load_bytes: int = 0  # bytes of those copies
     preemptions: int = 0  # running requests preempted (KV freed, recomputed later) since the worker started
+    recomputed_tokens: int = 0  # tokens whose K/V those preemptions freed, computed again once readmitted
     # The share of running requests' remaining output whose KV slots admission keeps free now (decode_reserve;
     # 0 = none kept).
     decode_reserve_share: float = 0.0

@@ -41,6 +41,7 @@ class SchedulerCollector:
         loads = CounterMetricFamily("loraplex_adapter_loads", "Adapters copied into a GPU pool", labels=["worker"])
         load_bytes = CounterMetricFamily("loraplex_adapter_load_bytes", "Bytes of adapters copied into a GPU pool", labels=["worker"])
         preemptions = CounterMetricFamily("loraplex_preemptions", "Running requests preempted for KV space (recomputed later)", labels=["worker"])
+        recomputed = CounterMetricFamily("loraplex_recomputed_tokens", "Tokens whose K/V preemptions freed, computed again once their requests were readmitted (prefill spent twice)", labels=["worker"])
         reserve = GaugeMetricFamily("loraplex_decode_reserve_share", "Share of running requests' remaining output tokens whose KV slots admission keeps free (decode_reserve; 0 = none)", labels=["worker"])
         steps = CounterMetricFamily("loraplex_worker_steps", "Engine steps by kind (graph, decode, prefill)", labels=["worker", "kind"])
         step_seconds = CounterMetricFamily("loraplex_worker_step_seconds", "Seconds of engine steps from their scheduling until their tokens reached the host, by kind", labels=["worker", "kind"])
@@ -69,6 +70,7 @@ class SchedulerCollector:
             loads.add_metric([worker_id], status.adapter_loads)
             load_bytes.add_metric([worker_id], status.adapter_load_bytes)
             preemptions.add_metric([worker_id], status.preemptions)
+            recomputed.add_metric([worker_id], status.recomputed_tokens)
             reserve.add_metric([worker_id], status.decode_reserve_share)
             for family, values in ((steps, status.step_counts), (step_seconds, status.step_seconds),
                                    (step_tokens, status.step_tokens), (step_launch, status.step_launch_seconds),
@@ -84,7 +86,7 @@ class SchedulerCollector:
                     family.add_metric([worker_id, kind], value)
             for reason, value in sorted(status.steps_held_back.items()):
                 held_back.add_metric([worker_id, reason], value)
-        yield from (running, waiting, slots, loads, load_bytes, preemptions, reserve, steps, step_seconds, step_tokens,
+        yield from (running, waiting, slots, loads, load_bytes, preemptions, recomputed, reserve, steps, step_seconds, step_tokens,
                     step_launch, step_ahead, step_adapters, step_adapter_bytes, step_decode_keys, step_prompt_pairs,
                     step_sampled, step_captures, step_capture_seconds, step_builds, step_build_seconds,
                     step_gpu_seconds, step_gpu_counts, held_back)

@@ -230,6 +230,7 @@ def _workers(state: GatewayState) -> list[dict]:
                     "slots": {"total": s.total_slots, "kv": s.kv_slots, "adapter": s.adapter_slots, "free": s.free_slots},
                     "resident_adapters": len(s.resident_adapters), "adapter_loads": s.adapter_loads,
                     "adapter_load_bytes": s.adapter_load_bytes, "preemptions": s.preemptions,
+                    "recomputed_tokens": s.recomputed_tokens, "decode_reserve_share": s.decode_reserve_share,
                     # Since the worker started, by kind (graph-replayed decode, eager decode, prefill).
                     "steps": {kind: {"steps": n, "seconds": round(s.step_seconds.get(kind, 0.0), 3),
                                      "launch_seconds": round(s.step_launch_seconds.get(kind, 0.0), 3),

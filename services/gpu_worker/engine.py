@@ -94,6 +94,7 @@ class Engine:
         self._deferred_aborts: list[str] = []
         self._order = 0
         self.num_preemptions = 0
+        self.recomputed_tokens = 0  # tokens whose K/V preemptions threw away, to be computed again
         self.reserve = DecodeReserve(config.decode_reserve, min(config.decode_reserve_low, config.decode_reserve),
                                      config.decode_reserve_ease_s)
         self.step_stats = StepStats()  # steps, seconds and tokens by kind of step (step_stats.py)
@@ -582,6 +583,7 @@ class Engine:
         seq = self.running.pop()
         log.debug("engine.preempt", request_id=seq.request_id, tokens=len(seq.tokens))
         self._release_slots(seq)
+        self.recomputed_tokens += seq.num_computed
         seq.num_computed = 0
         self.num_preemptions += 1
         self.reserve.preempted()
@@ -640,6 +642,7 @@ class Engine:
             "waiting": len(self.waiting),
             "resident_adapters": self.adapters.names,
             "preemptions": self.num_preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
             "decode_reserve_share": round(self.reserve.share(), 3) if self.reserve.enabled else 0.0,
             "adapter_loads": self.adapters.loads,
             "adapter_bytes_loaded": self.adapters.bytes_loaded,

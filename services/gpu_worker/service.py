@@ -208,7 +208,8 @@ class WorkerService:
             finished_request_ids=self.finished_ids, ready=not self.stopping, max_running=self.max_running,
             backlog=self.backlog,
             adapter_loads=cap["adapter_loads"], adapter_load_bytes=cap["adapter_bytes_loaded"],
-            preemptions=cap.get("preemptions", 0), decode_reserve_share=cap.get("decode_reserve_share", 0.0),
+            preemptions=cap.get("preemptions", 0), recomputed_tokens=cap.get("recomputed_tokens", 0),
+            decode_reserve_share=cap.get("decode_reserve_share", 0.0),
         )
         stats = cap.get("step_stats")
         if stats is not None:

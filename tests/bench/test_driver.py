@@ -76,6 +76,8 @@ def test_a_sweep_runs_in_two_pieces_and_resumes_without_repeating(tmp_path):
 
     for x in lines:
         assert x["setting"] == "tiny" and x["policy"] == "early-abort"
+        # The worker's counters over the point: a roomy pool preempted nothing and computed nothing twice.
+        assert x["preemptions"] == 0 and x["recomputed_tokens"] == 0
         assert x["n_completed"] > 0 and x["throughput_rps"] > 0
         assert 0 < x["roofline_fraction"] == pytest.approx(x["throughput_rps"] / x["roofline_rps"])
         assert 0 < x["attainable_rps"] <= x["roofline_rps"]

@@ -35,8 +35,11 @@ def serve_tight_pool(model_dir, **config) -> tuple[Engine, dict[str, list[int]],
 def test_a_full_reserve_never_preempts_and_changes_no_token(model_dir):
     plain, expected, _ = serve_tight_pool(model_dir)
     assert plain.num_preemptions > 0  # the workload does outgrow the pool without a reserve
+    # Every preempted request had computed its prompt at least (8 tokens or more): that much is computed again.
+    assert plain.recomputed_tokens >= 8 * plain.num_preemptions
+    assert plain.capacity()["recomputed_tokens"] == plain.recomputed_tokens
     full, got, _ = serve_tight_pool(model_dir, decode_reserve=1.0, decode_reserve_low=1.0)
-    assert full.num_preemptions == 0
+    assert full.num_preemptions == 0 and full.recomputed_tokens == 0
     assert got == expected
     assert all(len(got[f"r{i}"]) == 20 + 2 * i for i in range(12))
     assert full.pool.allocator.num_used == 0

@@ -56,6 +56,9 @@ def test_tiny_pool_preempts_under_load_and_outputs_equal_a_roomy_pool(stack_fact
     tiny_before = preemptions(tiny)
     squeezed = run_all(tiny)
     assert preemptions(tiny) > tiny_before, "the tiny pool never preempted: the test lost its point"
+    # Each preempted request had its prompt's 5 tokens computed at least, computed again once readmitted.
+    recomputed = metric(tiny.metrics(), "loraplex_recomputed_tokens_total", worker="worker-0")
+    assert recomputed >= 5 * (preemptions(tiny) - tiny_before)
     assert all(n == MAX_TOKENS for _, n in squeezed)
     assert squeezed == roomy
     idle_without_leaks(tiny)
@@ -71,6 +74,7 @@ def test_a_full_decode_reserve_serves_the_same_tokens_without_preempting(stack_f
     roomy = run_all(general_stack)
     got = run_all(reserved)
     assert preemptions(reserved) == 0
+    assert metric(reserved.metrics(), "loraplex_recomputed_tokens_total", worker="worker-0") == 0
     assert all(n == MAX_TOKENS for _, n in got)
     assert got == roomy
     idle_without_leaks(reserved)
