@@ -273,6 +273,11 @@ def shard_of(text: str) -> tuple[int, int]:
     return i, n
 
 
+def adapters_in(group: list) -> int:
+    """The adapters a stack serving these points registers: the largest n among them (base-only uses none)."""
+    return max((p.n_adapters for p in group if p.system != "base-only"), default=0)
+
+
 class Timings:
     """What this host has taken so far (stack starts, point tails), by setting/system; raises the estimates."""
 
@@ -442,7 +447,7 @@ class Driver:
                      f"{ceilings['matmul_tflops']:.1f} TFLOP/s"
                      + (f" ({held:.1f} held back to back)" if held else "")
                      + f", host-to-device {ceilings['h2d_gbs']:.1f} GB/s")
-            n = max((p.n_adapters for p in group if p.system != "base-only"), default=0)
+            n = adapters_in(group)
             population = None
             if system in ADAPTER_SYSTEMS and n > 0:
                 population = self.population(n)
@@ -471,8 +476,7 @@ class Driver:
         the estimates (a start measured slower before counts; adapters its registry lacks), or "" when they do.
         Its points are taken one by one while the real time left holds them (run_group), so a piece whose start
         and points go faster than estimated measures more instead of leaving its budget unused."""
-        n = max((p.n_adapters for p in group if p.system != "base-only"), default=0)
-        need = self.startup_estimate(system, n) + self.spec.stop_s + self.point_estimate(group[0])
+        need = self.startup_estimate(system, adapters_in(group)) + self.spec.stop_s + self.point_estimate(group[0])
         if need > self.left():
             return (f"a {system} stack and its first point need ~{need:.0f} s; "
                     f"~{self.left():.0f} s of the budget are left")

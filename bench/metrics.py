@@ -192,8 +192,8 @@ def _smi_row(line: str) -> tuple[float, float, float | None]:
 class ServerSampler:
     """Polls GET {base_url}/metrics every `interval_s` in a thread from start() to stop(); `report()` gives
     the run's peaks (pool slots summed over workers, queue, running requests), the increase of the adapter
-    load, load-byte, preemption and recomputed-token counters, the share of samples in which the scheduler served its queue
-    newest first and the peak of its early-abort prefill estimate, and the peak GPU memory in use and the
+    load, load-byte, preemption and recomputed-token counters, the share of samples in which the scheduler served
+    its queue newest first and the peak of its early-abort prefill estimate, and the peak GPU memory in use and the
     share of time the serving GPU ran a kernel (nvidia-smi, every `gpu_interval_s`; None where there is none).
 
     The baseline sample is taken in start() itself, so counters count from before the first request.

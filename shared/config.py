@@ -23,13 +23,19 @@ LORA_MODES = ("unified", "bmm", "merge")
 DEFAULT_RESIDENT_ADAPTERS = 4096
 
 
+def _number(value) -> bool:
+    """An int or a float, and not a bool (which Python counts as an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine (one GPU worker or TP group)."""
 
     device: str = _doc("torch device: cpu or cuda[:N]", "cpu")
     dtype: str = _doc("compute dtype: float32, float16 or bfloat16", "float32")
-    num_slots: int = _doc("slots in the unified pool (KV tokens and adapter rows share them); 0 = size from the free GPU memory (pool_headroom_gb, pool_memory_fraction)", 4096)
+    num_slots: int = _doc("slots in the unified pool (KV tokens and adapter rows share them); 0 = size from the "
+                          "free GPU memory (pool_headroom_gb, pool_memory_fraction)", 4096)
     pool_memory_fraction: float = _doc("fraction of free GPU memory the pool takes at most when num_slots is 0 "
                                        "(on a 141 GB card 0.94 leaves ~7.5 GiB, above every served peak beside "
                                        "the pool)", 0.94)
@@ -127,27 +133,23 @@ class EngineConfig:
                              f"less than num_slots ({self.num_slots})")
         if isinstance(self.admission_batch, bool) or not isinstance(self.admission_batch, int) or self.admission_batch < 1:
             raise ValueError(f"admission_batch must be an integer >= 1 (1 = admit at every step), got {self.admission_batch!r}")
-        if isinstance(self.admission_wait_s, bool) or not isinstance(self.admission_wait_s, (int, float)) \
-                or not self.admission_wait_s >= 0:
+        if not _number(self.admission_wait_s) or not self.admission_wait_s >= 0:
             raise ValueError(f"admission_wait_s must be a number of seconds >= 0, got {self.admission_wait_s!r}")
         for name in ("decode_reserve", "decode_reserve_low"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            if not _number(value) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be a share from 0 to 1, got {value!r}")
         if self.decode_reserve and self.decode_reserve_low > self.decode_reserve:
             raise ValueError(f"decode_reserve_low ({self.decode_reserve_low!r}) must not exceed decode_reserve "
                              f"({self.decode_reserve!r})")
-        if isinstance(self.decode_reserve_ease_s, bool) or not isinstance(self.decode_reserve_ease_s, (int, float)) \
-                or not self.decode_reserve_ease_s >= 0:
+        if not _number(self.decode_reserve_ease_s) or not self.decode_reserve_ease_s >= 0:
             raise ValueError(f"decode_reserve_ease_s must be a number of seconds >= 0, got "
                              f"{self.decode_reserve_ease_s!r}")
-        if isinstance(self.pool_headroom_gb, bool) or not isinstance(self.pool_headroom_gb, (int, float)) \
-                or not self.pool_headroom_gb >= 0:
+        if not _number(self.pool_headroom_gb) or not self.pool_headroom_gb >= 0:
             raise ValueError(f"pool_headroom_gb must be a number of GiB >= 0, got {self.pool_headroom_gb!r}")
         if isinstance(self.kv_slot_run, bool) or not isinstance(self.kv_slot_run, int) or not 1 <= self.kv_slot_run <= 256:
             raise ValueError(f"kv_slot_run must be an integer from 1 to 256, got {self.kv_slot_run!r}")
-        if isinstance(self.pool_memory_fraction, bool) or not isinstance(self.pool_memory_fraction, (int, float)) \
-                or not 0 < self.pool_memory_fraction < 1:
+        if not _number(self.pool_memory_fraction) or not 0 < self.pool_memory_fraction < 1:
             # The rest of the free memory holds the decode graphs and a step's activations: at 1 nothing would.
             raise ValueError(f"pool_memory_fraction must be a number between 0 and 1 (exclusive), got "
                              f"{self.pool_memory_fraction!r}")

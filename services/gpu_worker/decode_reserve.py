@@ -24,10 +24,6 @@ class DecodeReserve:
         self._clock = clock
         self._raised_at = clock()  # a fresh engine knows nothing of its traffic: start from the high share
 
-    @property
-    def enabled(self) -> bool:
-        return self.high > 0
-
     def share(self) -> float:
         """The share of the remaining output tokens kept back now."""
         if self.ease_s <= 0:
@@ -43,7 +39,7 @@ class DecodeReserve:
         """Tokens a request may still add to its context: up to max_tokens, within the context length."""
         return max(0, min(max_tokens - num_output, max_model_len - context))
 
-    def slots(self, remaining: Iterable[int], share: float | None = None) -> int:
-        """Slots kept back for requests with these remaining output tokens."""
-        share = self.share() if share is None else share
-        return math.ceil(share * sum(remaining)) if share > 0 else 0
+    @staticmethod
+    def slots(remaining: Iterable[int], share: float) -> int:
+        """Slots kept back, at `share`, for requests with these remaining output tokens."""
+        return math.ceil(share * sum(remaining))

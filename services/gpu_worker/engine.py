@@ -442,7 +442,7 @@ class Engine:
         """Append to `scheduled` the waiting requests an admission round takes now, within `budget` tokens."""
         self._admitting = self._admitting or self._admission_due()
         before = len(scheduled)
-        share = self.reserve.share() if self.reserve.enabled and self._admitting and self.waiting else 0.0
+        share = self.reserve.share() if self._admitting and self.waiting else 0.0
         kept = self.reserve.slots(map(self._remaining_output, self.running), share) if share else 0
         i = 0  # position in the waiting queue
         passed = 0  # waiting requests passed over because their adapter is still on its way from the store
@@ -643,7 +643,7 @@ class Engine:
             "resident_adapters": self.adapters.names,
             "preemptions": self.num_preemptions,
             "recomputed_tokens": self.recomputed_tokens,
-            "decode_reserve_share": round(self.reserve.share(), 3) if self.reserve.enabled else 0.0,
+            "decode_reserve_share": round(self.reserve.share(), 3),
             "adapter_loads": self.adapters.loads,
             "adapter_bytes_loaded": self.adapters.bytes_loaded,
             "step_stats": self.step_stats,

@@ -16,9 +16,11 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("reserve") / "model", preset="tiny-gqa", seed=1)
 
 
-def serve_tight_pool(model_dir, **config) -> tuple[Engine, dict[str, list[int]], int]:
-    """Twelve requests whose outputs outgrow a 160-slot pool; their tokens, and the steps taken."""
+def serve_tight_pool(model_dir, reserve: DecodeReserve | None = None, **config) -> tuple[Engine, dict[str, list[int]]]:
+    """Twelve requests whose outputs outgrow a 160-slot pool, on `reserve` if given; their tokens."""
     engine = Engine.from_model_dir(model_dir, EngineConfig(num_slots=160, max_batched_tokens=64, **config))
+    if reserve is not None:
+        engine.reserve = reserve
     for i in range(12):
         engine.add_request(EngineRequest(f"r{i}", [30 + i] * (8 + i),
                                          SamplingParams(max_tokens=20 + 2 * i, ignore_eos=True)))
@@ -29,16 +31,16 @@ def serve_tight_pool(model_dir, **config) -> tuple[Engine, dict[str, list[int]],
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         steps += 1
         assert steps < 1000, "engine did not finish"
-    return engine, tokens, steps
+    return engine, tokens
 
 
 def test_a_full_reserve_never_preempts_and_changes_no_token(model_dir):
-    plain, expected, _ = serve_tight_pool(model_dir)
+    plain, expected = serve_tight_pool(model_dir)
     assert plain.num_preemptions > 0  # the workload does outgrow the pool without a reserve
     # Every preempted request had computed its prompt at least (8 tokens or more): that much is computed again.
     assert plain.recomputed_tokens >= 8 * plain.num_preemptions
     assert plain.capacity()["recomputed_tokens"] == plain.recomputed_tokens
-    full, got, _ = serve_tight_pool(model_dir, decode_reserve=1.0, decode_reserve_low=1.0)
+    full, got = serve_tight_pool(model_dir, decode_reserve=1.0, decode_reserve_low=1.0)
     assert full.num_preemptions == 0 and full.recomputed_tokens == 0
     assert got == expected
     assert all(len(got[f"r{i}"]) == 20 + 2 * i for i in range(12))
@@ -46,8 +48,8 @@ def test_a_full_reserve_never_preempts_and_changes_no_token(model_dir):
 
 
 def test_a_partial_reserve_preempts_less(model_dir):
-    plain, expected, _ = serve_tight_pool(model_dir)
-    half, got, _ = serve_tight_pool(model_dir, decode_reserve=0.5, decode_reserve_low=0.5, decode_reserve_ease_s=1e9)
+    plain, expected = serve_tight_pool(model_dir)
+    half, got = serve_tight_pool(model_dir, decode_reserve=0.5, decode_reserve_low=0.5, decode_reserve_ease_s=1e9)
     assert 0 < half.num_preemptions < plain.num_preemptions
     assert got == expected
     assert half.capacity()["decode_reserve_share"] == 0.5
@@ -94,7 +96,18 @@ def test_the_share_eases_down_and_jumps_back_at_a_preemption():
     assert reserve.share() == pytest.approx(0.6)
     assert reserve.slots([10, 7], 0.5) == 9  # rounded up: 8.5 tokens' slots
     assert reserve.slots([10, 7], 0.0) == 0
-    assert DecodeReserve(0.0, 0.0, 10.0).enabled is False
+    assert DecodeReserve(0.0, 0.0, 10.0).share() == 0.0  # off: nothing kept back
+
+
+def test_the_engine_raises_the_share_at_each_preemption(model_dir):
+    # Eased all the way down (nothing kept back), the workload preempts as without a reserve; the engine's
+    # first preemption takes the share back up to its high mark, read through the worker's capacity report.
+    clock = FakeClock()
+    reserve = DecodeReserve(0.5, 0.0, 10.0, clock=clock)
+    clock.now += 60
+    engine, _ = serve_tight_pool(model_dir, reserve)
+    assert engine.num_preemptions > 0
+    assert engine.capacity()["decode_reserve_share"] == 0.5
 
 
 def test_remaining_output_stops_at_the_context_length():
