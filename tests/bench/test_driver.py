@@ -209,18 +209,21 @@ def test_a_stack_counts_the_adapters_its_registry_lacks(tmp_path):
 
 
 def test_a_stack_is_not_started_once_the_piece_has_spent_the_time_its_estimates_needed(tmp_path):
-    # The estimates fit a stack and its point in a fresh 8 s piece (1 s start, 1 s stop, 3 + 1 s point), but
-    # measuring the ceilings in a child process takes seconds before the stack would start: checked again
-    # then, it is left for the next piece instead of being cut off at the budget with no line.
-    spec = {**TWO_POINTS, "systems": ["loraplex"], "by_system": {}, "n": [2], "stack_warmup_s": 0,
-            "point_tail_s": 1}
-    spec_path = tmp_path / "tiny-two.yaml"
-    spec_path.write_text(yaml.safe_dump(spec))
-    work, out = tmp_path / "work", tmp_path / "out"
-    piece = sweep(spec_path, work, out, budget=8)
-    assert piece.returncode == 3, piece.stdout + piece.stderr
-    assert "a loraplex stack and its first point need ~6 s" in piece.stdout, piece.stdout
-    assert results(out) == [] and not (work / "logs").exists()  # no stack was started
+    # The estimates fit a stack and its point in a fresh 100 s piece (1 s start, 1 s stop, 3 + 1 s point); the
+    # ceilings and the adapters' generation come between that check and the stack's start. Checked again there
+    # with 5 s left, the stack is left for the next piece instead of being cut off at the budget with no line.
+    from bench.driver import PieceResult
+
+    spec = SweepSpec.from_dict({**TWO_POINTS, "systems": ["loraplex"], "by_system": {}, "n": [2],
+                                "stack_warmup_s": 0, "point_tail_s": 1})
+    work = tmp_path / "work"
+    driver = Driver(spec, work, tmp_path / "x.jsonl", budget_s=100, progress=False)
+    (_, system, n, policy), group = groups(expand(spec))[0]
+    assert driver.stack_fits(system, group) == ""
+    driver.started -= 95  # what the piece has spent since
+    why = driver.run_group(system, n, policy, None, group, None, PieceResult(ran=[], remaining=1, total=1))
+    assert "a loraplex stack and its first point need ~6 s" in why and "~5 s of the budget are left" in why
+    assert not (work / "logs").exists()  # no stack was started
 
 
 @pytest.mark.parametrize("values,message", [
