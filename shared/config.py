@@ -67,6 +67,10 @@ class EngineConfig:
     decode_reserve_low: float = _doc("the share decode_reserve eases down to while no request is preempted", 0.1)
     decode_reserve_ease_s: float = _doc("seconds without a preemption for decode_reserve to ease down to "
                                         "decode_reserve_low", 20.0)
+    decode_margin_steps: int = _doc("decode steps' worth of KV slots (one a running request a step) that admission "
+                                    "leaves free, so that where the pool binds the next step can still be launched "
+                                    "ahead of the last one's tokens instead of waiting for them to free slots; "
+                                    "0 = admit whatever fits now", 0)
     max_model_len: int = _doc("prompt + output tokens at most; 0 = model's max_position_embeddings", 0)
     seed: int = _doc("seed for dummy weights", 0)
     cuda_graphs: bool = _doc("replay decode steps from CUDA graphs (CUDA only)", True)
@@ -142,6 +146,9 @@ class EngineConfig:
         if self.decode_reserve and self.decode_reserve_low > self.decode_reserve:
             raise ValueError(f"decode_reserve_low ({self.decode_reserve_low!r}) must not exceed decode_reserve "
                              f"({self.decode_reserve!r})")
+        if isinstance(self.decode_margin_steps, bool) or not isinstance(self.decode_margin_steps, int) or not (
+                0 <= self.decode_margin_steps <= 64):
+            raise ValueError(f"decode_margin_steps must be an integer from 0 to 64, got {self.decode_margin_steps!r}")
         if not _number(self.decode_reserve_ease_s) or not self.decode_reserve_ease_s >= 0:
             raise ValueError(f"decode_reserve_ease_s must be a number of seconds >= 0, got "
                              f"{self.decode_reserve_ease_s!r}")

@@ -101,7 +101,7 @@ class Engine:
         self.kernel_builds = watch_builds()  # kernels built under load, counted in the steps that met them
         self.admission_steps = 0  # steps that admitted waiting requests, launched ahead or not
         self.admissions_ahead = 0  # of those, steps launched ahead (overlap_admission)
-        self.places_taken_ahead = 0  # requests ending by length whose places such a step took early
+        self.places_taken_ahead = 0  # requests ending by length whose places or slots such a step took early
         # Steps that could not be launched ahead of the last one's tokens, by why (overlap_steps): "prompt" (the
         # rest of a prompt whose request was aborted, or overlap_admission off), "batch" (a request left out
         # of the step, sampled on the host or asking for logits, or none continuing), "round" (an admission
@@ -293,9 +293,10 @@ class Engine:
             return None
         started = time.perf_counter()  # an admission round's scheduling counts in the step's launch, as on the host
         seqs = [flight.samplers[i] for i in rows]
+        ending = ending_by_length(flight, rows, deferred, self.max_model_len)
         # Places taken early go to a round, so only where someone waits.
-        ending = ending_by_length(flight, rows, deferred, self.max_model_len) if self.waiting else []
-        admit = self._round_ahead(len(flight.samplers) - len(flight.dropped) - len(seqs), len(ending))
+        admit = self._round_ahead(len(flight.samplers) - len(flight.dropped) - len(seqs),
+                                  len(ending) if self.waiting else 0)
         if admit is None:
             self.held_back["round"] += 1
             return None
@@ -310,6 +311,13 @@ class Engine:
         # pool is full of cached ones. Safe while `flight` runs: whatever this step writes into their slots
         # queues behind it on the compute stream, and an adapter copy's scatter waits for it as well.
         need = sum(self._slots_needed(seq, 1) for seq in seqs) + sum(self._slots_needed(seq, n) for seq, n in chunks)
+        if not self.adapters.evict_until(need) and ending:
+            # Short of slots: those of requests ending by length at `flight` go first, as the host frees them
+            # once its tokens are in, before it would preempt anyone. With the pool binding, nearly every step
+            # met this and waited for the step before (S2 n = 2000 on an H100: 2,100 of ~3,100 steps).
+            for seq in ending:
+                self._leave_early(seq)
+            ending = []
         if not self.adapters.evict_until(need):
             self.held_back["slots"] += 1
             return None
@@ -444,6 +452,10 @@ class Engine:
         before = len(scheduled)
         share = self.reserve.share() if self._admitting and self.waiting else 0.0
         kept = self.reserve.slots(map(self._remaining_output, self.running), share) if share else 0
+        # One slot a running request for each of the next decode_margin_steps steps, so the step launched
+        # ahead finds its decode tokens' slots without waiting for the step before to free any (lookahead.py).
+        margin = self.config.decode_margin_steps
+        kept += margin * len(self.running)
         i = 0  # position in the waiting queue
         passed = 0  # waiting requests passed over because their adapter is still on its way from the store
         while (self._admitting and i < len(self.waiting) and passed < ADMISSION_SCAN and budget > 0
@@ -497,7 +509,7 @@ class Engine:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
-            kept += own
+            kept += own + margin
         if not self.waiting or len(self.running) >= self.config.max_running_requests:
             self._admitting = False  # the round is over: the batch is full or nobody waits
         self.admission_steps += len(scheduled) > before

@@ -122,6 +122,9 @@ def test_remaining_output_stops_at_the_context_length():
     ({"decode_reserve": True}, "decode_reserve"),
     ({"decode_reserve": 0.2, "decode_reserve_low": 0.5}, "decode_reserve_low"),
     ({"decode_reserve_ease_s": -1}, "decode_reserve_ease_s"),
+    ({"decode_margin_steps": -1}, "decode_margin_steps"),
+    ({"decode_margin_steps": 1.5}, "decode_margin_steps"),
+    ({"decode_margin_steps": True}, "decode_margin_steps"),
 ])
 def test_bad_reserve_settings_are_refused_by_name(config, field):
     with pytest.raises(ValueError, match=field):

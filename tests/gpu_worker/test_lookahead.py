@@ -3,6 +3,7 @@ tokens, finish reasons and stop positions as an engine that waits for every step
 aborts honoured while two steps are in flight."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -234,6 +235,62 @@ def test_a_step_held_back_for_slots_says_so(model_dir):
     assert run(engine, reqs) == plain
     assert engine.num_preemptions > 0 and engine.held_back["slots"] > 0, (engine.num_preemptions, engine.held_back)
     assert not engine.has_unfinished() and engine.pool.allocator.num_used == engine.reserved_slots
+
+
+def test_a_step_short_of_slots_goes_ahead_on_those_of_a_request_ending_by_length(model_dir):
+    """The pool is exactly full when the step in flight samples one request's last token (by length): the
+    next step's decode slot comes from that request's slots, given early, as the host would free them once
+    the tokens are in, rather than the step waiting for those tokens. Nobody waits, so no round takes them."""
+    def serve(overlap: bool) -> tuple[Engine, dict]:
+        engine = make_engine(model_dir, overlap=overlap, num_slots=256)
+        free = engine.pool.allocator.num_free
+        last = 10  # A's max_tokens: step last - 1 samples its last token
+        # After step k a request holds prompt + k slots; at step last - 1 both together hold every free slot.
+        prompt_a = 40
+        prompt_b = free - prompt_a - 2 * (last - 1)
+        rng = random.Random(11)
+        engine.add_request(EngineRequest("A", [rng.randrange(3, 200) for _ in range(prompt_a)],
+                                         SamplingParams(max_tokens=last, ignore_eos=True)))
+        engine.add_request(EngineRequest("B", [rng.randrange(3, 200) for _ in range(prompt_b)],
+                                         SamplingParams(max_tokens=last + 6, ignore_eos=True)))
+        return engine, run(engine, [])
+
+    plain_engine, plain = serve(overlap=False)
+    engine, ahead = serve(overlap=True)
+    assert ahead == plain and len(ahead["A"]["tokens"]) == 10 and len(ahead["B"]["tokens"]) == 16
+    assert plain_engine.num_preemptions == 0 and engine.num_preemptions == 0
+    assert engine.places_taken_ahead == 1 and not engine.held_back["slots"], (engine.places_taken_ahead,
+                                                                              engine.held_back)
+    stats = engine.step_stats
+    assert stats.ahead["decode"] == stats.steps["decode"] == 15, (stats.ahead, stats.steps)
+    assert not engine.has_unfinished() and engine.pool.allocator.num_used == engine.reserved_slots
+
+
+def test_a_decode_margin_lets_steps_go_ahead_where_the_pool_binds(model_dir):
+    """A long queue on a pool the running requests outgrow: admitting whatever fits leaves the next step
+    short of its decode slots again and again, and it waits for the step before. Keeping one step's decode
+    slots free (decode_margin_steps) lets those steps go ahead; clients see the same tokens."""
+    rng = random.Random(12)
+    reqs = [EngineRequest(f"m{i}", [rng.randrange(3, 200) for _ in range(rng.randrange(8, 40))],
+                          SamplingParams(max_tokens=rng.randrange(8, 40), ignore_eos=True)) for i in range(24)]
+
+    def serve(overlap: bool, margin: int) -> tuple[Engine, dict]:
+        engine = make_engine(model_dir, overlap=overlap, num_slots=256, max_running_requests=12,
+                             decode_margin_steps=margin)
+        for r in reqs:
+            engine.add_request(copy.deepcopy(r))
+        return engine, run(engine, [])
+
+    _, plain = serve(overlap=False, margin=0)
+    bare, got_bare = serve(overlap=True, margin=0)
+    kept, got_kept = serve(overlap=True, margin=1)
+    assert got_bare == plain and got_kept == plain
+    assert all(r["reason"] == "length" for r in plain.values()) and len(plain) == 24
+    assert bare.held_back["slots"] > 0, bare.held_back  # the pool does bind this workload
+    assert kept.held_back["slots"] < bare.held_back["slots"], (kept.held_back, bare.held_back)
+    assert kept.lookahead_steps > bare.lookahead_steps, (kept.lookahead_steps, bare.lookahead_steps)
+    for engine in (bare, kept):
+        assert not engine.has_unfinished() and engine.pool.allocator.num_used == engine.reserved_slots
 
 
 @pytest.mark.parametrize("device", DEVICES)
