@@ -58,6 +58,12 @@ def fixed_pool(line: dict) -> bool:
     return bool(line.get("num_slots")) or "--num-slots" in (line.get("stack_command") or "")
 
 
+def pool_ran_full(line: dict) -> bool:
+    """Whether the point's pool bound it: requests preempted, or admission holding requests back with the
+    pool full (a decode reserve preempts nobody and still runs the pool to its last slots)."""
+    return (line.get("preemptions") or 0) > 0 or (line.get("pool_used_fraction_peak") or 0) >= 0.999
+
+
 def read_lines(path: str | Path) -> list[dict]:
     """Result lines of one file, a point measured again replacing its earlier line."""
     by_point: dict[tuple, dict] = {}
@@ -225,7 +231,7 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
                                     "arrival cv", True, png, log_base=2)
 
     png = out_dir / f"{stem}-pool.png"
-    pool = plot_pool([x for x in lines if fixed_pool(x) or (x.get("preemptions") or 0) > 0],
+    pool = plot_pool([x for x in lines if fixed_pool(x) or pool_ran_full(x)],
                      f"{stem}: the pool where memory bound, and what each point did with it", png)
     if pool:
         written[str(png)] = pool

@@ -277,10 +277,12 @@ def test_points_on_a_sized_pool_get_a_figure_of_what_they_did_with_it(tmp_path):
     # Points on the whole GPU's pool get none, unless it ran short: requests were preempted for KV space.
     whole = [{k: v for k, v in x.items() if k != "num_slots"} for x in memory]
     assert not any(k.endswith("-pool.png") for k in plot_file(write(tmp_path / "whole.jsonl", whole)))
-    short = [{**whole[0], "preemptions": 1136}, {**whole[1], "preemptions": 0}]
+    # Or its last slots all went: a decode reserve preempts nobody and still fills the pool.
+    short = [{**whole[0], "preemptions": 1136}, {**whole[1], "preemptions": 0, "pool_used_fraction_peak": 0.6},
+             {**whole[0], "n_adapters": 2000, "preemptions": 0, "pool_used_fraction_peak": 0.99998}]
     drawn = plot_file(write(tmp_path / "short.jsonl", short))
     png = str(tmp_path / "short-pool.png")
-    assert drawn[png]["preemptions"] == [(names[0], 1136.0)]
+    assert drawn[png]["preemptions"] == [(names[0], 1136.0), ("S2 loraplex n=2000 R=40 cv=1", 0.0)]
 
 
 def test_across_files_a_point_is_drawn_once_and_running_batches_get_lines_of_their_own(tmp_path):
