@@ -237,12 +237,18 @@ def test_a_step_held_back_for_slots_says_so(model_dir):
     assert not engine.has_unfinished() and engine.pool.allocator.num_used == engine.reserved_slots
 
 
-def test_a_step_short_of_slots_goes_ahead_on_those_of_a_request_ending_by_length(model_dir):
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_step_short_of_slots_goes_ahead_on_those_of_a_request_ending_by_length(model_dir, cached):
     """The pool is exactly full when the step in flight samples one request's last token (by length): the
     next step's decode slot comes from that request's slots, given early, as the host would free them once
-    the tokens are in, rather than the step waiting for those tokens. Nobody waits, so no round takes them."""
+    the tokens are in, rather than the step waiting for those tokens. Nobody waits, so no round takes them.
+    Cached: an adapter nobody uses holds slots too, and stays cached, as the host frees the ending request's
+    slots before it would evict one."""
     def serve(overlap: bool) -> tuple[Engine, dict]:
         engine = make_engine(model_dir, overlap=overlap, num_slots=256)
+        if cached:
+            run(engine, [EngineRequest("w", [5, 6, 7], SamplingParams(max_tokens=1), adapter="a1")])
+            assert engine.adapters.slots_in_use > 0
         free = engine.pool.allocator.num_free
         last = 10  # A's max_tokens: step last - 1 samples its last token
         # After step k a request holds prompt + k slots; at step last - 1 both together hold every free slot.
@@ -258,12 +264,14 @@ def test_a_step_short_of_slots_goes_ahead_on_those_of_a_request_ending_by_length
     plain_engine, plain = serve(overlap=False)
     engine, ahead = serve(overlap=True)
     assert ahead == plain and len(ahead["A"]["tokens"]) == 10 and len(ahead["B"]["tokens"]) == 16
+    assert engine.adapters.slots_in_use == plain_engine.adapters.slots_in_use
     assert plain_engine.num_preemptions == 0 and engine.num_preemptions == 0
     assert engine.places_taken_ahead == 1 and not engine.held_back["slots"], (engine.places_taken_ahead,
                                                                               engine.held_back)
     stats = engine.step_stats
     assert stats.ahead["decode"] == stats.steps["decode"] == 15, (stats.ahead, stats.steps)
-    assert not engine.has_unfinished() and engine.pool.allocator.num_used == engine.reserved_slots
+    assert not engine.has_unfinished()
+    assert engine.pool.allocator.num_used == engine.reserved_slots + engine.adapters.slots_in_use
 
 
 def test_a_decode_margin_lets_steps_go_ahead_where_the_pool_binds(model_dir):
