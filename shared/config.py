@@ -28,6 +28,11 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _integer(value, low: int, high: float = float("inf")) -> bool:
+    """An int from low to high, and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine (one GPU worker or TP group)."""
@@ -135,7 +140,7 @@ class EngineConfig:
         if self.num_slots and self.adapter_pool_slots >= self.num_slots:
             raise ValueError(f"adapter_pool_slots ({self.adapter_pool_slots}) must leave KV slots: it has to be "
                              f"less than num_slots ({self.num_slots})")
-        if isinstance(self.admission_batch, bool) or not isinstance(self.admission_batch, int) or self.admission_batch < 1:
+        if not _integer(self.admission_batch, 1):
             raise ValueError(f"admission_batch must be an integer >= 1 (1 = admit at every step), got {self.admission_batch!r}")
         if not _number(self.admission_wait_s) or not self.admission_wait_s >= 0:
             raise ValueError(f"admission_wait_s must be a number of seconds >= 0, got {self.admission_wait_s!r}")
@@ -146,15 +151,14 @@ class EngineConfig:
         if self.decode_reserve and self.decode_reserve_low > self.decode_reserve:
             raise ValueError(f"decode_reserve_low ({self.decode_reserve_low!r}) must not exceed decode_reserve "
                              f"({self.decode_reserve!r})")
-        if isinstance(self.decode_margin_steps, bool) or not isinstance(self.decode_margin_steps, int) or not (
-                0 <= self.decode_margin_steps <= 64):
+        if not _integer(self.decode_margin_steps, 0, 64):
             raise ValueError(f"decode_margin_steps must be an integer from 0 to 64, got {self.decode_margin_steps!r}")
         if not _number(self.decode_reserve_ease_s) or not self.decode_reserve_ease_s >= 0:
             raise ValueError(f"decode_reserve_ease_s must be a number of seconds >= 0, got "
                              f"{self.decode_reserve_ease_s!r}")
         if not _number(self.pool_headroom_gb) or not self.pool_headroom_gb >= 0:
             raise ValueError(f"pool_headroom_gb must be a number of GiB >= 0, got {self.pool_headroom_gb!r}")
-        if isinstance(self.kv_slot_run, bool) or not isinstance(self.kv_slot_run, int) or not 1 <= self.kv_slot_run <= 256:
+        if not _integer(self.kv_slot_run, 1, 256):
             raise ValueError(f"kv_slot_run must be an integer from 1 to 256, got {self.kv_slot_run!r}")
         if not _number(self.pool_memory_fraction) or not 0 < self.pool_memory_fraction < 1:
             # The rest of the free memory holds the decode graphs and a step's activations: at 1 nothing would.

@@ -293,10 +293,9 @@ class Engine:
             return None
         started = time.perf_counter()  # an admission round's scheduling counts in the step's launch, as on the host
         seqs = [flight.samplers[i] for i in rows]
-        ending = ending_by_length(flight, rows, deferred, self.max_model_len)
-        # Places taken early go to a round, so only where someone waits.
-        admit = self._round_ahead(len(flight.samplers) - len(flight.dropped) - len(seqs),
-                                  len(ending) if self.waiting else 0)
+        # Places taken early go to a round, so only where someone waits; their slots may be wanted below anyway.
+        ending = ending_by_length(flight, rows, deferred, self.max_model_len) if self.waiting else None
+        admit = self._round_ahead(len(flight.samplers) - len(flight.dropped) - len(seqs), len(ending or ()))
         if admit is None:
             self.held_back["round"] += 1
             return None
@@ -311,11 +310,13 @@ class Engine:
         # pool is full of cached ones. Safe while `flight` runs: whatever this step writes into their slots
         # queues behind it on the compute stream, and an adapter copy's scatter waits for it as well.
         need = sum(self._slots_needed(seq, 1) for seq in seqs) + sum(self._slots_needed(seq, n) for seq, n in chunks)
-        if ending and not self.pool.allocator.can_allocate(need):
+        if not self.pool.allocator.can_allocate(need):
             # Short of slots: those of requests ending by length at `flight` go first, as the host frees them
             # once its tokens are in, before it evicts an adapter or preempts anyone. With the pool binding,
             # nearly every step met this and waited for the step before (S2 n = 2000 on an H100: 2,100 of
             # ~3,100 steps).
+            if ending is None:
+                ending = ending_by_length(flight, rows, deferred, self.max_model_len)
             for seq in ending:
                 self._leave_early(seq)
             ending = []
@@ -326,7 +327,7 @@ class Engine:
         run = self.config.kv_slot_run
         runs = run > 1 and self.pool.allocator.can_allocate(need + (run - 1) * (len(seqs) + len(chunks)))
         if admit:
-            for seq in ending:
+            for seq in ending or ():
                 self._leave_early(seq)
         for seq in seqs:
             seq.tokens.append(PENDING_TOKEN)
