@@ -222,6 +222,25 @@ def test_the_shipped_plans_sweeps_select_points_of_their_specs():
     assert sweeps >= 4
 
 
+def test_the_shipped_plans_copy_the_lines_their_sweeps_write():
+    """A step that runs a sweep and then copies its lines to {out} must copy the file the sweep appends to
+    (OUT_DIR/<spec name>.jsonl, OUT_DIR its --out-dir or docs/bench): a copy of another file returns nothing
+    measured, found only after the device time is spent."""
+    copies = 0
+    for path in sorted((REPO / "benchmarks" / "plans").glob("*.yaml")):
+        for step in load_plan(path):
+            for command in step.run.split(";"):
+                words = shlex.split(command)
+                if "sweep" in words and "bench" in words:
+                    spec = SweepSpec.load(REPO / words[words.index("sweep") + 1])
+                    out_dir = words[words.index("--out-dir") + 1] if "--out-dir" in words else "docs/bench"
+                    written = f"{out_dir}/{spec.name}.jsonl"
+                elif words[:1] == ["cp"] and words[-1].startswith("{out}"):
+                    assert words[1] == written, f"{path.name}: {step.name} copies {words[1]}, its sweep writes {written}"
+                    copies += 1
+    assert copies >= 10
+
+
 def test_the_shipped_plans_sweep_steps_are_given_a_budget_their_first_stack_fits(tmp_path):
     """A sweep step whose {budget} is below the driver's estimate for a fresh stack and its first point refuses
     to start at all (it did, on the GPU, with a cap of 300 s): the least budget a step can be handed, its cap or
