@@ -35,6 +35,20 @@ def point_label(line: dict, show_policy: bool = False) -> str:
     return label + (f" {line['variant']}" if line.get("variant") else "")
 
 
+def distinct(labels: list[str], rows: list[dict]) -> list[str]:
+    """Labels made unique: a point measured in windows of two lengths, or again on another day, keeps a line
+    each (matplotlib draws bars of one label in one band, the later over the earlier), told apart by window
+    and start time."""
+    counts = {label: labels.count(label) for label in labels}
+    out = []
+    for label, line in zip(labels, rows):
+        if counts[label] > 1:
+            started = str(line.get("started_at") or "")[5:16].replace("T", " ")
+            label += f" ({line.get('duration_s', 0):g} s, {started})" if started else f" ({line.get('duration_s', 0):g} s)"
+        out.append(label)
+    return out
+
+
 def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     """The figure of every line with `worker_steps`, to `path`; {panel: {kind: [(point label, value)]}} as
     drawn, or {} (and no file) when no line has them."""
@@ -48,10 +62,12 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     import matplotlib.pyplot as plt
 
     mixed = len({line.get("policy") for line in rows}) > 1
-    labels = [point_label(line, show_policy=mixed) for line in rows]
+    labels = distinct([point_label(line, show_policy=mixed) for line in rows], rows)
     fig_height = 2.0 + 0.45 * len(rows)  # inches: title, axis labels and legend, then a band per point
     with_rows = any(s.get("adapter_mb_mean") is not None for by_kind in steps for s in by_kind.values())
-    fig, axes = plt.subplots(1, 2 + with_rows, figsize=(13 + 5 * with_rows, fig_height), squeeze=True)
+    label_width = 0.075 * max(len(label) for label in labels)  # inches, at the tick labels' size
+    fig, axes = plt.subplots(1, 2 + with_rows, figsize=(10 + 4 * with_rows + label_width, fig_height), squeeze=True,
+                             gridspec_kw={"width_ratios": [1] * (2 + with_rows)})
     share_ax, mean_ax = axes[:2]
     drawn: dict[str, dict] = {"share": {}, "mean_ms": {}, "launch_ms": {}}
     left = [0.0] * len(rows)
@@ -84,10 +100,11 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
             drawn.setdefault("adapter_gb", {})[kind] = list(zip(labels, gb))
     share_ax.set_xlim(0, 1)
     share_ax.set_xlabel("share of the worker's step time")
-    mean_ax.set_yticks(range(len(rows)), labels)
+    blank = [""] * len(rows)  # the rows are named once, on the left panel, which the figure widens to hold them
+    mean_ax.set_yticks(range(len(rows)), blank)
     mean_ax.set_xlabel("mean step (ms)")
     if with_rows:
-        axes[2].set_yticks(range(len(rows)), labels)
+        axes[2].set_yticks(range(len(rows)), blank)
         axes[2].set_xlabel("adapter rows a mean step read (GB)")
     marks = bool(drawn["launch_ms"]) + bool(drawn.get("floor_ms"))  # legend entries only the mean panel has
     legend_ax = mean_ax if marks else share_ax

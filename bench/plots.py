@@ -47,7 +47,12 @@ SERIES_KEYS = GROUP_KEYS + ("batch", "variant", "card")
 # replaces the point's line nor counts for the targets, and the figures draw it as a line of its own.
 VARIANT_SETTINGS = ("worker.admission_wait_s", "worker.overlap_steps", "worker.overlap_admission",
                     "worker.direct_launch", "worker.kernel_shapes", "worker.kv_slot_run",
-                    "worker.pool_memory_fraction", "worker.pool_headroom_gb", "worker.decode_reserve")
+                    "worker.pool_memory_fraction", "worker.pool_headroom_gb", "worker.decode_reserve",
+                    "worker.decode_margin_steps", "worker.admission_batch")
+# Settings that shape the points themselves (the running batch, the graphs' and prefill's bounds, the rank
+# the pool is sized for): every sweep sets them alike for its setting, so a line is no variant for them.
+POINT_SETTINGS = ("worker.max_running_requests", "worker.max_batched_tokens", "worker.max_lora_rank",
+                  "worker.cuda_graph_max_batch", "worker.cuda_graph_max_context")
 DEFAULT_VARIANT = "as shipped"  # the label of the lines run without any of them, where a figure holds both
 
 

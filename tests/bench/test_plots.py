@@ -341,3 +341,33 @@ def test_a_variant_names_every_setting_it_tried_and_ignores_the_others():
     # A larger pool is a variant too, so its line counts for no target until it is the default.
     pooled = "python3 -m shared.cli up --set worker.pool_memory_fraction=0.92 --set worker.max_running_requests=384"
     assert variant_of({"stack_command": pooled}) == "pool_memory_fraction=0.92"
+
+
+def test_every_setting_a_sweep_sets_shapes_its_points_or_makes_its_lines_a_variant():
+    """A sweep that tries a setting the plots do not know as a variant writes lines that replace the shipped
+    point's and count for its target (worker.decode_margin_steps did, until it was named here)."""
+    import re
+
+    from bench import REPO
+    from bench.plots import POINT_SETTINGS, VARIANT_SETTINGS
+
+    seen = 0
+    for spec in sorted((REPO / "bench" / "sweeps").glob("*.yaml")):
+        for key in re.findall(r"(worker\.\w+)=", spec.read_text()):
+            assert key in POINT_SETTINGS + VARIANT_SETTINGS, f"{spec.name} sets {key}, neither a point's shape nor a variant"
+            seen += 1
+    assert seen > 100
+
+
+def test_worker_steps_figure_keeps_a_band_for_each_window_of_one_point(tmp_path):
+    """The same point over a 140 s and an 80 s window is two lines read_lines keeps; the figure names them
+    apart instead of drawing one over the other in a single band."""
+    long = line("loraplex", 2000, rate=40.0, duration_s=140.0, started_at="2026-12-07T16:48:50+00:00",
+                worker_steps=steps((5000, 110.0), (0, 0.0), (250, 50.0)))
+    short = line("loraplex", 2000, rate=40.0, duration_s=80.0, started_at="2026-12-07T19:22:01+00:00",
+                 worker_steps=steps((3000, 60.0), (0, 0.0), (150, 30.0)))
+    drawn = plot_file(write(tmp_path / "h100.jsonl", [long, short]))
+    graph = drawn[str(tmp_path / "h100-worker-steps.png")]["mean_ms"]["graph"]
+    assert [label for label, _ in graph] == ["S2 loraplex n=2000 R=40 cv=1 (140 s, 12-07 16:48)",
+                                             "S2 loraplex n=2000 R=40 cv=1 (80 s, 12-07 19:22)"]
+    assert [ms for _, ms in graph] == [pytest.approx(22.0), pytest.approx(20.0)]
