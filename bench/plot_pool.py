@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.plot_steps import point_label, save_rows_figure
+from bench.plot_steps import distinct, point_label, save_rows_figure
 
 USES = (("pool_kv_slots_peak", "KV cache, peak"), ("pool_adapter_slots_peak", "adapters, peak"))
 RESULTS = (("running_requests_peak", "running requests, peak"), ("preemptions", "requests preempted"),
@@ -26,7 +26,7 @@ def plot_pool(lines: list[dict], title: str, path: Path) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [point_label(x) for x in rows]
+    labels = distinct([point_label(x) for x in rows], rows)
     fig_height = 2.2 + 0.6 * len(rows)  # inches: title, axis labels and legend, then a band per point
     fig, axes = plt.subplots(1, 1 + len(RESULTS), figsize=(15, fig_height), squeeze=True,
                              gridspec_kw={"width_ratios": [2] + [1] * len(RESULTS)})
@@ -43,7 +43,8 @@ def plot_pool(lines: list[dict], title: str, path: Path) -> dict:
                       label="pool" if y == 0 else None)
     drawn["slots"]["pool"] = list(zip(labels, totals))
     slots_ax.set_yticks(range(len(rows)), labels)
-    slots_ax.set_xlabel("slots")
+    slots_ax.set_xlabel("slots (thousands)")
+    slots_ax.xaxis.set_major_formatter(lambda value, _: f"{value / 1e3:g}")  # 120000 and its neighbours collide
     for ax, (key, name) in zip(axes[1:], RESULTS):
         values = [float(x.get(key) or 0.0) for x in rows]
         ax.barh(range(len(rows)), values, color="C2" if key == "throughput_rps" else "C4")
