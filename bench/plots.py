@@ -48,7 +48,7 @@ SERIES_KEYS = GROUP_KEYS + ("batch", "variant", "card")
 VARIANT_SETTINGS = ("worker.admission_wait_s", "worker.overlap_steps", "worker.overlap_admission",
                     "worker.direct_launch", "worker.kernel_shapes", "worker.kv_slot_run",
                     "worker.pool_memory_fraction", "worker.pool_headroom_gb", "worker.decode_reserve",
-                    "worker.decode_margin_steps", "worker.admission_batch")
+                    "worker.decode_margin_steps", "worker.admission_batch", "worker.overlap_ending_slots")
 # Settings that shape the points themselves (the running batch, the graphs' and prefill's bounds, the rank
 # the pool is sized for): every sweep sets them alike for its setting, so a line is no variant for them.
 POINT_SETTINGS = ("worker.max_running_requests", "worker.max_batched_tokens", "worker.max_lora_rank",

@@ -310,7 +310,7 @@ class Engine:
         # pool is full of cached ones. Safe while `flight` runs: whatever this step writes into their slots
         # queues behind it on the compute stream, and an adapter copy's scatter waits for it as well.
         need = sum(self._slots_needed(seq, 1) for seq in seqs) + sum(self._slots_needed(seq, n) for seq, n in chunks)
-        if not self.pool.allocator.can_allocate(need):
+        if self.config.overlap_ending_slots and not self.pool.allocator.can_allocate(need):
             # Short of slots: those of requests ending by length at `flight` go first, as the host frees them
             # once its tokens are in, before it evicts an adapter or preempts anyone. With the pool binding,
             # nearly every step met this and waited for the step before (S2 n = 2000 on an H100: 2,100 of

@@ -237,15 +237,17 @@ def test_a_step_held_back_for_slots_says_so(model_dir):
     assert not engine.has_unfinished() and engine.pool.allocator.num_used == engine.reserved_slots
 
 
+@pytest.mark.parametrize("ending_slots", [True, False])
 @pytest.mark.parametrize("cached", [False, True])
-def test_a_step_short_of_slots_goes_ahead_on_those_of_a_request_ending_by_length(model_dir, cached):
+def test_a_step_short_of_slots_goes_ahead_on_those_of_a_request_ending_by_length(model_dir, cached, ending_slots):
     """The pool is exactly full when the step in flight samples one request's last token (by length): the
     next step's decode slot comes from that request's slots, given early, as the host would free them once
     the tokens are in, rather than the step waiting for those tokens. Nobody waits, so no round takes them.
     Cached: an adapter nobody uses holds slots too, and stays cached, as the host frees the ending request's
-    slots before it would evict one."""
+    slots before it would evict one. With overlap_ending_slots off (to measure it), the step instead evicts
+    the cached adapter or waits for the step before; the same tokens either way."""
     def serve(overlap: bool) -> tuple[Engine, dict]:
-        engine = make_engine(model_dir, overlap=overlap, num_slots=256)
+        engine = make_engine(model_dir, overlap=overlap, num_slots=256, overlap_ending_slots=ending_slots)
         if cached:
             run(engine, [EngineRequest("w", [5, 6, 7], SamplingParams(max_tokens=1), adapter="a1")])
             assert engine.adapters.slots_in_use > 0
@@ -264,8 +266,15 @@ def test_a_step_short_of_slots_goes_ahead_on_those_of_a_request_ending_by_length
     plain_engine, plain = serve(overlap=False)
     engine, ahead = serve(overlap=True)
     assert ahead == plain and len(ahead["A"]["tokens"]) == 10 and len(ahead["B"]["tokens"]) == 16
-    assert engine.adapters.slots_in_use == plain_engine.adapters.slots_in_use
     assert plain_engine.num_preemptions == 0 and engine.num_preemptions == 0
+    if not ending_slots:
+        if cached:  # the cached adapter's slots went to the step instead
+            assert engine.adapters.slots_in_use < plain_engine.adapters.slots_in_use
+        else:
+            assert engine.held_back["slots"] == 1, engine.held_back
+        assert engine.places_taken_ahead == 0
+        return
+    assert engine.adapters.slots_in_use == plain_engine.adapters.slots_in_use
     assert engine.places_taken_ahead == 1 and not engine.held_back["slots"], (engine.places_taken_ahead,
                                                                               engine.held_back)
     stats = engine.step_stats
