@@ -12,6 +12,7 @@ the ceiling that binds it, bench/step_floor.py).
 """
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 KINDS = (("graph", "decode (graph)"), ("decode", "decode (eager)"), ("prefill", "prefill"))
@@ -39,14 +40,10 @@ def distinct(labels: list[str], rows: list[dict]) -> list[str]:
     """Labels made unique: a point measured in windows of two lengths, or again on another day, keeps a line
     each (matplotlib draws bars of one label in one band, the later over the earlier), told apart by window
     and start time."""
-    counts = {label: labels.count(label) for label in labels}
-    out = []
-    for label, line in zip(labels, rows):
-        if counts[label] > 1:
-            started = str(line.get("started_at") or "")[5:16].replace("T", " ")
-            label += f" ({line.get('duration_s', 0):g} s, {started})" if started else f" ({line.get('duration_s', 0):g} s)"
-        out.append(label)
-    return out
+    counts = Counter(labels)
+    return [label if counts[label] == 1 else
+            f"{label} ({line.get('duration_s', 0):g} s, {str(line.get('started_at', ''))[5:16].replace('T', ' ')})"
+            for label, line in zip(labels, rows)]
 
 
 def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
@@ -66,8 +63,7 @@ def plot_steps(lines: list[dict], title: str, path: Path) -> dict:
     fig_height = 2.0 + 0.45 * len(rows)  # inches: title, axis labels and legend, then a band per point
     with_rows = any(s.get("adapter_mb_mean") is not None for by_kind in steps for s in by_kind.values())
     label_width = 0.075 * max(len(label) for label in labels)  # inches, at the tick labels' size
-    fig, axes = plt.subplots(1, 2 + with_rows, figsize=(10 + 4 * with_rows + label_width, fig_height), squeeze=True,
-                             gridspec_kw={"width_ratios": [1] * (2 + with_rows)})
+    fig, axes = plt.subplots(1, 2 + with_rows, figsize=(10 + 4 * with_rows + label_width, fig_height), squeeze=True)
     share_ax, mean_ax = axes[:2]
     drawn: dict[str, dict] = {"share": {}, "mean_ms": {}, "launch_ms": {}}
     left = [0.0] * len(rows)
