@@ -229,6 +229,7 @@ def test_the_shipped_plans_copy_the_lines_their_sweeps_write():
     copies = 0
     for path in sorted((REPO / "benchmarks" / "plans").glob("*.yaml")):
         for step in load_plan(path):
+            written = None  # a copy before any sweep of its own step copies nothing it measured
             for command in step.run.split(";"):
                 words = shlex.split(command)
                 if "sweep" in words and "bench" in words:
