@@ -10,10 +10,11 @@
 - where each point's worker time went (steps by kind), for lines that record it (bench/plot_steps.py);
 - the peak KV and adapter slots of points on a pool the sweep sized, or on a whole GPU's pool that ran short
   (requests preempted), against it (bench/plot_pool.py);
-- over all files: loraplex's throughput and roofline fraction vs n, a line per setting (`plot_settings`),
-  and every system measured on a baseline's trace vs n, log-scaled throughput (`plot_systems`): loraplex
-  and base-only live in the saturation sweeps, the baselines in their own, and they differ by 100x or more;
-  both leave out points measured on a pool the sweep sized (`fixed_pool`).
+- over all files, when they are every result file of their folders: loraplex's throughput and roofline
+  fraction vs n, a line per setting (`plot_settings`), and every system measured on a baseline's trace vs n,
+  log-scaled throughput (`plot_systems`): loraplex and base-only live in the saturation sweeps, the baselines
+  in their own, and they differ by 100x or more; both leave out points measured on a pool the sweep sized
+  (`fixed_pool`).
 Otherwise a line is drawn only where its x varies (two points at least). A point measured twice counts once (the
 later line: a rerun replaces it). `plot_file` returns what it drew, figure by figure, read back from the
 figures' own lines, so a caller (or a test) sees exactly the plotted series.
@@ -53,6 +54,8 @@ VARIANT_SETTINGS = ("worker.admission_wait_s", "worker.overlap_steps", "worker.o
 # the pool is sized for): every sweep sets them alike for its setting, so a line is no variant for them.
 POINT_SETTINGS = ("worker.max_running_requests", "worker.max_batched_tokens", "worker.max_lora_rank",
                   "worker.cuda_graph_max_batch", "worker.cuda_graph_max_context")
+LEGEND_INSIDE = 8  # the most series a legend lists inside its axes
+LEGEND_WIDTH_IN = 4.8  # the width a legend beside the axes takes (labels of ~50 characters at 7 pt)
 DEFAULT_VARIANT = "as shipped"  # the label of the lines run without any of them, where a figure holds both
 
 
@@ -113,16 +116,21 @@ def latest_per_point(lines: list[dict]) -> list[dict]:
     return list(by_point.values())
 
 
-def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...], min_points: int = 2
-            ) -> dict[tuple, dict[str, list]]:
+def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...], min_points: int = 2,
+            keep=None) -> dict[tuple, dict[str, list]]:
     """{figure key: {label: sorted [(x, y)]}}, lines = every group key but x; only lines with `min_points`+
-    points, and only figures with one line of 2+ points at least."""
+    points, and only figures with one line of 2+ points at least. With `keep`, only the lines whose points
+    it keeps are returned, named as among all of them (a roofline then keeps the name of the line it bounds)."""
     line_keys = tuple(k for k in SERIES_KEYS if k != x and k not in figure_keys)
     grouped: dict[tuple, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
+    kept: set[tuple] = set()
     for line in lines:
         if line.get(y) is None:
             continue
-        grouped[tuple(line[k] for k in figure_keys)][tuple(line[k] for k in line_keys)].append((line[x], line[y]))
+        key = tuple(line[k] for k in line_keys)
+        grouped[tuple(line[k] for k in figure_keys)][key].append((line[x], line[y]))
+        if keep is None or keep(line):
+            kept.add(key)
     out: dict[tuple, dict[str, list]] = {}
     for fig, by_line in grouped.items():
         by_line = {k: sorted(v) for k, v in by_line.items() if len({p[0] for p in v}) >= min_points}
@@ -130,8 +138,13 @@ def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...], min
             continue
         # Name each line by what tells it apart from the others in its figure.
         varying = [i for i, k in enumerate(line_keys) if len({key[i] for key in by_line}) > 1] or [0]
-        out[fig] = {_label(line_keys, key, varying): pts for key, pts in sorted(by_line.items(), key=lambda kv: str(kv[0]))}
+        out[fig] = {_label(line_keys, key, varying): pts for key, pts in sorted(by_line.items(), key=lambda kv: str(kv[0]))
+                    if key in kept}
     return out
+
+
+def _as_shipped(line: dict) -> bool:
+    return not line["variant"]
 
 
 def _label(keys: tuple[str, ...], values: tuple, varying: list[int]) -> str:
@@ -154,7 +167,7 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
-    drawn = {}
+    drawn, outside = {}, False
     for ax, (ylabel, key, series) in zip(axes[0], panels):
         colors: dict[str, str] = {}  # a roofline takes the colour of the line it bounds
         for label, pts in series.items():
@@ -179,13 +192,20 @@ def _figure(panels: list[tuple[str, str, dict[str, list]]], title: str, xlabel: 
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if len(series) > LEGEND_INSIDE:  # a legend this long would hide the lines: it goes beside the axes
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+            outside = True
+        else:
+            ax.legend(fontsize=8)
         drawn[key] = {line.get_label(): list(zip(map(float, line.get_xdata()), map(float, line.get_ydata())))
                       for line in ax.get_lines()}
     fig.suptitle(title)
+    if outside:  # room for the legend beside the last axes, the axes keeping their size
+        width, height = fig.get_size_inches()
+        fig.set_size_inches(width + LEGEND_WIDTH_IN, height)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight" if outside else None)
     plt.close(fig)
     return drawn
 
@@ -198,11 +218,13 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
     stem = path.stem
     written: dict[str, dict] = {}
 
-    # A system measured at one n only (base-only or PEFT beside a loraplex sweep, say) shows as a point.
-    limits = _series([x for x in lines if x["system"] in ROOFLINE_SYSTEMS], "n_adapters", "roofline_rps",
-                     ("setting",), min_points=1)
-    reachable = _series([x for x in lines if x["system"] in ROOFLINE_SYSTEMS and x.get("attainable_rps")],
-                        "n_adapters", "attainable_rps", ("setting",), min_points=1)
+    # A system measured at one n only (base-only or PEFT beside a loraplex sweep, say) shows as a point. The
+    # limits are drawn for the points as shipped: a variant runs the same trace, and its own limits beside each
+    # of its lines would crowd out the lines.
+    bounded = [x for x in lines if x["system"] in ROOFLINE_SYSTEMS]
+    limits = _series(bounded, "n_adapters", "roofline_rps", ("setting",), min_points=1, keep=_as_shipped)
+    reachable = _series([x for x in bounded if x.get("attainable_rps")], "n_adapters", "attainable_rps",
+                        ("setting",), min_points=1, keep=_as_shipped)
     for (setting,), series in _series(lines, "n_adapters", "throughput_rps", ("setting",), min_points=1).items():
         series = {**series, **{label + ROOFLINE: pts for label, pts in limits.get((setting,), {}).items()},
                   **{label + ATTAINABLE: pts for label, pts in reachable.get((setting,), {}).items()}}
@@ -284,9 +306,17 @@ def plot_systems(paths: list[str | Path], out_dir: str | Path | None = None) -> 
 
 
 def plot_all(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
+    """Each file's figures, and the figures across files when the files are every result file of their
+    folders: plotting one sweep's file again leaves the figures drawn over all of them as they are."""
     written: dict[str, dict] = {}
     for path in paths:
         written.update(plot_file(path, out_dir))
-    written.update(plot_settings(paths, out_dir))
-    written.update(plot_systems(paths, out_dir))
+    if _whole_folders(paths):
+        written.update(plot_settings(paths, out_dir))
+        written.update(plot_systems(paths, out_dir))
     return written
+
+
+def _whole_folders(paths: list[str | Path]) -> bool:
+    given = {Path(p).resolve() for p in paths}
+    return all(f.resolve() in given for folder in {Path(p).parent for p in paths} for f in folder.glob("*.jsonl"))

@@ -165,8 +165,8 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
 
 def where_the_time_goes(a: dict, b: dict) -> str:
     """Two points' worker steps side by side (bench/metrics.py `worker_steps`): each kind's mean step and
-    share of step time, first point then second, for the kinds either ran, with the host's launch and the
-    adapters' rows a mean step read where the lines carry them."""
+    share of step time, first point then second, for the kinds either ran, with the tokens a mean step ran, the
+    host's launch and the adapters' rows a mean step read where the lines carry them."""
     def ms(s: dict) -> str:
         return f"{s['mean_ms']:.1f}" if s.get("mean_ms") is not None else "—"
 
@@ -179,6 +179,10 @@ def where_the_time_goes(a: dict, b: dict) -> str:
         if not (x.get("steps") or y.get("steps")):
             continue
         part = f"{name} steps {ms(x)} vs {ms(y)} ms ({share(x)} vs {share(y)} of step time"
+        if x.get("tokens") and y.get("tokens"):
+            # Fewer tokens a step at the same step time is a smaller running batch (a pool that binds sooner,
+            # its adapters holding slots the KV cache would use), not slower kernels.
+            part += f"; {x['tokens'] / x['steps']:.0f} vs {y['tokens'] / y['steps']:.0f} tokens a step"
         if x.get("launch_ms") is not None and y.get("launch_ms") is not None:
             part += f"; launched by the host in {x['launch_ms']:.1f} vs {y['launch_ms']:.1f} ms"
         if x.get("floor_ms") is not None and y.get("floor_ms") is not None:

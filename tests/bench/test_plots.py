@@ -234,7 +234,33 @@ def test_systems_figure_puts_every_system_on_a_baselines_trace_together_log_scal
         "base-only": [(100.0, 33.0)], "bmm": [(5.0, 4.9)],
         "loraplex": [(5.0, 29.995), (100.0, 29.9), (2000.0, 28.0)], "peft": [(5.0, 0.08), (100.0, 0.17)]}
     # Without a baseline there is no such figure.
-    assert not any("systems-" in p for p in plot_all(files[:2], tmp_path / "none"))
+    (tmp_path / "no-baseline").mkdir()
+    alone = [write(tmp_path / "no-baseline" / f.name, [json.loads(x) for x in f.read_text().splitlines()])
+             for f in files[:2]]
+    assert not any("systems-" in p for p in plot_all(alone, tmp_path / "none"))
+    # One file of a folder plotted again leaves the figures across the folder's files as they are.
+    before = open(png, "rb").read()
+    again = plot_all(files[2:], tmp_path / "png")
+    assert not any("systems-" in p or "settings-" in p for p in again) and open(png, "rb").read() == before
+
+
+def test_a_long_legend_goes_beside_the_axes_and_variants_draw_no_limits_of_their_own(tmp_path):
+    shipped = "python3 -m shared.cli up --set worker.max_running_requests=384"
+    lines = [line(n=n, rate=40.0, throughput_rps=30.0 - n / 1000, roofline_rps=40.0, attainable_rps=39.0,
+                  roofline_batch=384, stack_command=shipped) for n in (5, 100, 2000)]
+    for margin in range(1, 9):  # eight settings tried at n = 2000: one line each, no roofline each
+        lines.append(line(n=2000, rate=40.0, throughput_rps=27.0 + margin / 10, roofline_rps=40.0,
+                          attainable_rps=39.0, roofline_batch=384,
+                          stack_command=shipped + f" --set worker.decode_margin_steps={margin}"))
+    drawn = plot_file(write(tmp_path / "tried.jsonl", lines), tmp_path / "png")
+    series = drawn[str(tmp_path / "png" / "tried-throughput-vs-adapters-S2.png")]["throughput_rps"]
+    assert [label for label in series if label.endswith((" roofline", " attainable"))] == [
+        "as shipped roofline", "as shipped attainable"]
+    assert series["decode_margin_steps=3"] == [(2000.0, 27.3)] and len(series) == 11
+
+    import matplotlib.image
+    wide = matplotlib.image.imread(tmp_path / "png" / "tried-throughput-vs-adapters-S2.png")
+    assert wide.shape[1] > 6.4 * 110  # the legend beside the axes widened the figure past its 6.4 inches
 
 
 def test_points_on_a_pool_the_sweep_sized_stay_out_of_the_figures_across_files(tmp_path):
@@ -317,7 +343,8 @@ def test_a_server_setting_tried_on_the_points_draws_a_line_of_its_own(tmp_path):
     tried = [line(n=n, rate=40.0, throughput_rps=t, roofline_batch=384, stack_command=held,
                   started_at="2026-12-03T08") for n, t in [(5, 26.8), (2000, 23.3)]]
     # One file holding both: the later lines are a variant of the points, not a rerun replacing them.
-    both = write(tmp_path / "both.jsonl", plain + tried)
+    (tmp_path / "one").mkdir()
+    both = write(tmp_path / "one" / "both.jsonl", plain + tried)
     assert sorted((x["variant"], x["throughput_rps"]) for x in read_lines(both)) == [
         ("", 27.3), ("", 30.1), ("admission_wait_s=0.5", 23.3), ("admission_wait_s=0.5", 26.8)]
     drawn = plot_all([write(tmp_path / "plain.jsonl", plain), write(tmp_path / "tried.jsonl", tried)], tmp_path / "png")

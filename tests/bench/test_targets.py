@@ -112,6 +112,13 @@ def test_a_missed_ratio_says_where_the_time_goes_when_both_points_recorded_it(tm
         "1.0 ms; rows of 333 vs 0 adapters read, 21.01 vs 0.00 GB a step), prefill steps 212.7 vs 187.9 ms "
         "(31% vs 30% of step time; launched by the host in 120.5 vs 60.2 ms; rows of 340 vs 0 adapters read, "
         "21.40 vs 0.00 GB a step)")
+    # And those that counted the tokens their steps ran, how many a mean step ran.
+    counted, counted_base = steps(21.8, 212.7, 0.31), steps(17.8, 187.9, 0.30)
+    counted["graph"]["tokens"], counted_base["graph"]["tokens"] = 5000 * 227.4, 5000 * 256.0
+    counted["prefill"]["tokens"] = 250 * 861.2  # the other point did not count them: nothing said
+    assert base_only_ratio("tokens", counted, counted_base) == (
+        "missed; decode (graph) steps 21.8 vs 17.8 ms (69% vs 70% of step time; 227 vs 256 tokens a step), "
+        "prefill steps 212.7 vs 187.9 ms (31% vs 30% of step time)")
 
 
 def test_a_same_run_target_is_met_only_by_two_lines_of_one_run(tmp_path):
