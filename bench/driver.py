@@ -581,7 +581,7 @@ class Driver:
             ranks = [0] * max(1, p.n_adapters)
         else:
             ranks = population.ranks[:p.n_adapters] if population is not None else None
-        batch = server_batch(self.setting, trace, self.spec.max_running, pool_slots)
+        batch = server_batch(self.setting, trace, self.spec.max_running, pool_slots, ranks)
         dtype_bytes = 2 if c.device.startswith("cuda") else 4  # bf16 on GPUs, fp32 on the CPU backend
         rps = roofline_rps(self.setting, trace, c, batch, ranks, dtype_bytes)
         throughput = line.get("throughput_rps")

@@ -85,11 +85,19 @@ def read_lines(path: str | Path) -> list[dict]:
         missing = [k for k in GROUP_KEYS if k not in line]
         if missing:
             raise ValueError(f"{path}:{number}: result line lacks {', '.join(missing)}")
-        line["batch"] = int(line.get("roofline_batch") or MAX_RUNNING)  # lines before it was a setting ran the default
+        line["batch"] = running_cap(line)
         line["variant"] = variant_of(line)
         line["card"] = card_of(line)
         by_point[tuple(line[k] for k in SERIES_KEYS) + (line.get("duration_s"),)] = line
     return list(by_point.values())
+
+
+def running_cap(line: dict) -> int:
+    """The running batch the line's stack was capped at: the `worker.max_running_requests` its stack command
+    set, else the batch its roofline assumed (lines before it was a setting ran the default). Not the roofline's
+    own batch where both are known: a pool that binds lowers that by host and adapters, the server's cap stays."""
+    found = re.search(r"--set worker\.max_running_requests=(\d+)", line.get("stack_command") or "")
+    return int(found.group(1)) if found else int(line.get("roofline_batch") or MAX_RUNNING)
 
 
 def card_of(line: dict) -> str:
@@ -122,18 +130,23 @@ def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...], min
     points, and only figures with one line of 2+ points at least. With `keep`, only the lines whose points
     it keeps are returned, named as among all of them (a roofline then keeps the name of the line it bounds)."""
     line_keys = tuple(k for k in SERIES_KEYS if k != x and k not in figure_keys)
-    grouped: dict[tuple, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
+    # {figure: {line: {x: (started_at, y)}}}: one point per x, the latest line's (a point measured again in
+    # other windows, whose lines read_lines keeps apart for the figures of steps, is drawn once).
+    grouped: dict[tuple, dict[tuple, dict]] = defaultdict(lambda: defaultdict(dict))
     kept: set[tuple] = set()
     for line in lines:
         if line.get(y) is None:
             continue
         key = tuple(line[k] for k in line_keys)
-        grouped[tuple(line[k] for k in figure_keys)][key].append((line[x], line[y]))
+        at = grouped[tuple(line[k] for k in figure_keys)][key]
+        started = str(line.get("started_at") or "")
+        if line[x] not in at or started >= at[line[x]][0]:
+            at[line[x]] = (started, line[y])
         if keep is None or keep(line):
             kept.add(key)
     out: dict[tuple, dict[str, list]] = {}
-    for fig, by_line in grouped.items():
-        by_line = {k: sorted(v) for k, v in by_line.items() if len({p[0] for p in v}) >= min_points}
+    for fig, by_x in grouped.items():
+        by_line = {k: sorted((px, py) for px, (_, py) in v.items()) for k, v in by_x.items() if len(v) >= min_points}
         if not any(len({p[0] for p in v}) >= 2 for v in by_line.values()):
             continue
         # Name each line by what tells it apart from the others in its figure.
@@ -143,8 +156,9 @@ def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...], min
     return out
 
 
-def _as_shipped(line: dict) -> bool:
-    return not line["variant"]
+def _bounded(line: dict) -> bool:
+    """Whether a line's limits are drawn: loraplex's and base-only's, as shipped."""
+    return line["system"] in ROOFLINE_SYSTEMS and not line["variant"]
 
 
 def _label(keys: tuple[str, ...], values: tuple, varying: list[int]) -> str:
@@ -221,10 +235,9 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
     # A system measured at one n only (base-only or PEFT beside a loraplex sweep, say) shows as a point. The
     # limits are drawn for the points as shipped: a variant runs the same trace, and its own limits beside each
     # of its lines would crowd out the lines.
-    bounded = [x for x in lines if x["system"] in ROOFLINE_SYSTEMS]
-    limits = _series(bounded, "n_adapters", "roofline_rps", ("setting",), min_points=1, keep=_as_shipped)
-    reachable = _series([x for x in bounded if x.get("attainable_rps")], "n_adapters", "attainable_rps",
-                        ("setting",), min_points=1, keep=_as_shipped)
+    # Named among all the file's lines, as the lines they bound are, so that each takes its line's colour.
+    limits = _series(lines, "n_adapters", "roofline_rps", ("setting",), min_points=1, keep=_bounded)
+    reachable = _series(lines, "n_adapters", "attainable_rps", ("setting",), min_points=1, keep=_bounded)
     for (setting,), series in _series(lines, "n_adapters", "throughput_rps", ("setting",), min_points=1).items():
         series = {**series, **{label + ROOFLINE: pts for label, pts in limits.get((setting,), {}).items()},
                   **{label + ATTAINABLE: pts for label, pts in reachable.get((setting,), {}).items()}}

@@ -34,7 +34,9 @@ burst rate is the stricter of the two; points are judged against it, and carry t
 beside it (`roofline_rps_held`, `roofline_fraction_held`) where their ceilings hold it.
 
 Batch: the server's largest running batch (EngineConfig.max_running_requests, 256), capped, when the pool's
-size is known, by how many requests' KV it holds at the trace's mean context (`server_batch`).
+size is known, by how many requests' KV it holds at the trace's mean context beside the rows of the adapters
+such a batch uses (`server_batch`; on an H200 the cap binds first at every setting's n, on an 80 GB card at S2
+n = 2000 the adapters take ~20% of the pool).
 """
 from __future__ import annotations
 
@@ -300,10 +302,35 @@ def roofline_fraction(throughput_rps: float, setting: Setting, trace: Sequence, 
     return throughput_rps / roofline_rps(setting, trace, ceilings, batch, ranks, dtype_bytes)
 
 
-def server_batch(setting: Setting, trace: Sequence, max_running: int = MAX_RUNNING, pool_slots: int = 0) -> int:
+def server_batch(setting: Setting, trace: Sequence, max_running: int = MAX_RUNNING, pool_slots: int = 0,
+                 ranks: Sequence[int] | None = None) -> int:
     """The running batch the roofline assumes (module doc): `max_running`, capped by the KV the pool holds
-    at the trace's mean context (prompt + half the output) when `pool_slots` is known."""
+    at the trace's mean context (prompt + half the output) when `pool_slots` is known, beside the rows of the
+    adapters a batch that size uses (`ranks` as in trace_seconds; all rank 0 for the base model): any server
+    holds those on the GPU, and in one pool they take the slots of KV."""
     if not pool_slots or not trace:
         return max_running
     mean_context = sum(r.prompt_len + r.output_len / 2 for r in trace) / len(trace)
-    return max(1, min(max_running, int(pool_slots // mean_context)))
+    batch = max(1, min(max_running, int(pool_slots // mean_context)))
+    # Scanned down from the KV-only cap: a smaller batch uses fewer adapters, so the first that fits is the
+    # largest (a pool that does not bind keeps the cap after one look).
+    while batch > 1 and batch * mean_context + batch_adapter_slots(setting, trace, batch, ranks) > pool_slots:
+        batch -= 1
+    return batch
+
+
+def batch_adapter_slots(setting: Setting, trace: Sequence, batch: int, ranks: Sequence[int] | None = None) -> float:
+    """Pool slots the distinct adapters of a `batch`-sized window of the trace take, averaged over its
+    windows (those of _sharers; a trace shorter than one batch is one window)."""
+    from bench.stack import adapter_slots
+
+    per_rank: dict[int, int] = {}
+    windows = [trace[i:i + batch] for i in range(0, len(trace), batch)]
+    full = [w for w in windows if len(w) == batch] or windows
+    total = 0
+    for window in full:
+        for adapter in {r.adapter for r in window}:
+            rank = _rank_of(setting, adapter, ranks)
+            if rank:
+                total += per_rank.setdefault(rank, adapter_slots(setting, rank))
+    return total / len(full)

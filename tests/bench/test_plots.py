@@ -398,3 +398,25 @@ def test_worker_steps_figure_keeps_a_band_for_each_window_of_one_point(tmp_path)
     assert [label for label, _ in graph] == ["S2 loraplex n=2000 R=40 cv=1 (140 s, 12-07 16:48)",
                                              "S2 loraplex n=2000 R=40 cv=1 (80 s, 12-07 19:22)"]
     assert [ms for _, ms in graph] == [pytest.approx(22.0), pytest.approx(20.0)]
+
+
+def test_a_line_is_drawn_at_the_running_cap_its_stack_set_not_the_batch_its_pool_left(tmp_path):
+    from bench.plots import read_lines
+
+    capped = "python3 -m shared.cli up --set worker.max_running_requests=384"
+    # Two hosts' pools left the roofline 300 and 303 rows at one setting: one server, one series.
+    lines = [line(n=2000, rate=40.0, throughput_rps=23.0, roofline_batch=300, stack_command=capped,
+                  started_at="2026-12-07T19"),
+             line(n=2000, rate=40.0, throughput_rps=23.2, roofline_batch=303, stack_command=capped,
+                  started_at="2026-12-07T22"),
+             line(n=5, rate=40.0, throughput_rps=27.0, roofline_batch=299, stack_command=capped)]
+    assert [x["batch"] for x in read_lines(write(tmp_path / "h100.jsonl", lines))] == [384, 384]
+    # The same point in longer windows, measured before: a line of its own for the steps, no second point here.
+    lines.append(line(n=2000, rate=40.0, throughput_rps=20.5, roofline_batch=303, stack_command=capped,
+                      duration_s=160.0, started_at="2026-12-07T16"))
+    assert len(read_lines(write(tmp_path / "h100.jsonl", lines))) == 3
+    series = plot_file(tmp_path / "h100.jsonl", tmp_path / "png")[
+        str(tmp_path / "png" / "h100-throughput-vs-adapters-S2.png")]["throughput_rps"]
+    assert series["loraplex"] == [(5.0, 27.0), (2000.0, 23.2)]  # the later n = 2000 line replaced the earlier
+    # A line whose stack set no cap ran the default, which its roofline assumed.
+    assert read_lines(write(tmp_path / "old.jsonl", [line(roofline_batch=256)]))[0]["batch"] == 256

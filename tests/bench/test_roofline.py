@@ -107,11 +107,17 @@ def test_roofline_of_a_trace_is_requests_over_summed_times():
     assert roofline_rps(S2, trace, faster, 2, ranks) == pytest.approx(2 * rps)
 
 
-def test_batch_is_the_servers_capped_by_the_pool():
+def test_batch_is_the_servers_capped_by_the_pool_kv_and_adapters_together():
     trace = [req(i, 100, 100) for i in range(10)]  # mean context 150 tokens
     assert server_batch(S2, trace) == 256
     assert server_batch(S2, trace, pool_slots=150 * 40) == 40
     assert server_batch(S2, trace, max_running=16, pool_slots=10**6) == 16
+    # The pool also holds the rows of the adapters such a batch uses: ten rank-8 S2 adapters take 32 slots each
+    # (q, k, v, o: 8 rows of A and of Bᵀ a module, a row one slot wide), so 40 requests' KV no longer fits.
+    tuned = [req(i, 100, 100, adapter=i) for i in range(10)]
+    assert server_batch(S2, tuned, pool_slots=150 * 40, ranks=[8] * 10) == 37  # 37 · 150 + 320 ≤ 6000 < 38 · 150 + 320
+    assert server_batch(S2, tuned, pool_slots=150 * 40, ranks=[0] * 10) == 40  # base-only: no rows
+    assert server_batch(S2, tuned, max_running=16, pool_slots=10**6, ranks=[8] * 10) == 16
 
 
 def test_bad_requests_are_refused():
