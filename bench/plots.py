@@ -232,10 +232,9 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
     stem = path.stem
     written: dict[str, dict] = {}
 
-    # A system measured at one n only (base-only or PEFT beside a loraplex sweep, say) shows as a point. The
-    # limits are drawn for the points as shipped: a variant runs the same trace, and its own limits beside each
-    # of its lines would crowd out the lines.
-    # Named among all the file's lines, as the lines they bound are, so that each takes its line's colour.
+    # A system measured at one n only (base-only or PEFT beside a loraplex sweep, say) shows as a point. Limits
+    # are drawn for the points as shipped (a variant runs the same trace; limits beside each of its lines would
+    # crowd the figure out), named among all the file's lines as the lines they bound are, to take their colour.
     limits = _series(lines, "n_adapters", "roofline_rps", ("setting",), min_points=1, keep=_bounded)
     reachable = _series(lines, "n_adapters", "attainable_rps", ("setting",), min_points=1, keep=_bounded)
     for (setting,), series in _series(lines, "n_adapters", "throughput_rps", ("setting",), min_points=1).items():
@@ -331,5 +330,6 @@ def plot_all(paths: list[str | Path], out_dir: str | Path | None = None) -> dict
 
 
 def _whole_folders(paths: list[str | Path]) -> bool:
+    """Whether the files are every result file of the folders they are in."""
     given = {Path(p).resolve() for p in paths}
     return all(f.resolve() in given for folder in {Path(p).parent for p in paths} for f in folder.glob("*.jsonl"))

@@ -312,8 +312,8 @@ def server_batch(setting: Setting, trace: Sequence, max_running: int = MAX_RUNNI
         return max_running
     mean_context = sum(r.prompt_len + r.output_len / 2 for r in trace) / len(trace)
     batch = max(1, min(max_running, int(pool_slots // mean_context)))
-    # Scanned down from the KV-only cap: a smaller batch uses fewer adapters, so the first that fits is the
-    # largest (a pool that does not bind keeps the cap after one look).
+    # Scanned down from the KV-only cap, a smaller batch using fewer adapters: the first batch that fits is
+    # taken (a pool that does not bind keeps the cap after one look).
     while batch > 1 and batch * mean_context + batch_adapter_slots(setting, trace, batch, ranks) > pool_slots:
         batch -= 1
     return batch
