@@ -50,6 +50,9 @@ def plot_pool(lines: list[dict], title: str, path: Path) -> dict:
         ax.barh(range(len(rows)), values, color="C2" if key == "throughput_rps" else "C4")
         ax.set_yticks(range(len(rows)), [""] * len(rows))
         ax.set_xlabel(name)
+        # Counts start at zero; a panel of zeros (a pool that ran full and preempted nobody) keeps a 0..1 axis
+        # instead of matplotlib's symmetric ticks around 0.
+        ax.set_xlim(0, max(values) * 1.05 if max(values) > 0 else 1)
         drawn[key] = list(zip(labels, values))
     save_rows_figure(fig, axes, slots_ax, len(USES) + 1, title, fig_height, path)
     return drawn
