@@ -299,9 +299,10 @@ def plot_settings(paths: list[str | Path], out_dir: str | Path | None = None) ->
 
 
 def plot_systems(paths: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
-    """Throughput vs n of every system on the trace a baseline was measured on (setting, alpha, rate, cv,
-    policy), over all the files, one figure per setting, log-scaled throughput ({} without a baseline)."""
-    lines = latest_per_point([x for path in paths for x in read_lines(path) if not fixed_pool(x)])
+    """Throughput vs n of every system as shipped on the trace a baseline was measured on (setting, alpha, rate,
+    cv, policy), over all the files, one figure per setting, log-scaled throughput ({} without a baseline)."""
+    # As shipped only: the server settings tried on some points have their own files' figures.
+    lines = latest_per_point([x for path in paths for x in read_lines(path) if not fixed_pool(x) and not x["variant"]])
     trace = ("setting", "alpha", "req_rate", "cv", "policy")
     baseline_traces = {tuple(x[k] for k in trace) for x in lines if x["system"] not in ROOFLINE_SYSTEMS}
     same_trace = [x for x in lines if tuple(x[k] for k in trace) in baseline_traces]

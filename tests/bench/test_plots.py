@@ -222,6 +222,9 @@ def test_systems_figure_puts_every_system_on_a_baselines_trace_together_log_scal
 
     saturation = [line("loraplex", n, rate=40.0, throughput_rps=30.0 - n / 1000) for n in (5, 100, 2000)]
     saturation += [line("base-only", 100, rate=40.0, throughput_rps=33.0)]
+    # A server setting tried at one point: its own file's figure shows it, not this one.
+    saturation += [line("loraplex", 2000, rate=40.0, throughput_rps=27.0,
+                        stack_command="python3 -m shared.cli up --set worker.admission_wait_s=0.5")]
     rate = [line("loraplex", 200, rate=r, throughput_rps=r) for r in (4.0, 8.0)]  # another trace: left out
     baselines = [line("peft", n, rate=40.0, throughput_rps=t) for n, t in ((5, 0.08), (100, 0.17))]
     baselines += [line("bmm", 5, rate=40.0, throughput_rps=4.9)]
