@@ -130,23 +130,18 @@ def _series(lines: list[dict], x: str, y: str, figure_keys: tuple[str, ...], min
     points, and only figures with one line of 2+ points at least. With `keep`, only the lines whose points
     it keeps are returned, named as among all of them (a roofline then keeps the name of the line it bounds)."""
     line_keys = tuple(k for k in SERIES_KEYS if k != x and k not in figure_keys)
-    # {figure: {line: {x: (started_at, y)}}}: one point per x, the latest line's (a point measured again in
-    # other windows, whose lines read_lines keeps apart for the figures of steps, is drawn once).
-    grouped: dict[tuple, dict[tuple, dict]] = defaultdict(lambda: defaultdict(dict))
+    grouped: dict[tuple, dict[tuple, list]] = defaultdict(lambda: defaultdict(list))
     kept: set[tuple] = set()
     for line in lines:
         if line.get(y) is None:
             continue
         key = tuple(line[k] for k in line_keys)
-        at = grouped[tuple(line[k] for k in figure_keys)][key]
-        started = str(line.get("started_at") or "")
-        if line[x] not in at or started >= at[line[x]][0]:
-            at[line[x]] = (started, line[y])
+        grouped[tuple(line[k] for k in figure_keys)][key].append((line[x], line[y]))
         if keep is None or keep(line):
             kept.add(key)
     out: dict[tuple, dict[str, list]] = {}
-    for fig, by_x in grouped.items():
-        by_line = {k: sorted((px, py) for px, (_, py) in v.items()) for k, v in by_x.items() if len(v) >= min_points}
+    for fig, by_line in grouped.items():
+        by_line = {k: sorted(v) for k, v in by_line.items() if len({p[0] for p in v}) >= min_points}
         if not any(len({p[0] for p in v}) >= 2 for v in by_line.values()):
             continue
         # Name each line by what tells it apart from the others in its figure.
@@ -228,7 +223,8 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
     """Every figure the file's points support; {png path: {panel (y field): {label: [(x, y)]}}}."""
     path = Path(path)
     out_dir = Path(out_dir) if out_dir is not None else path.parent
-    lines = read_lines(path)
+    steps_lines = read_lines(path)  # a point measured in windows of two lengths keeps a line each here
+    lines = latest_per_point(steps_lines)  # and is drawn once, the latest, where it is a point on a curve
     stem = path.stem
     written: dict[str, dict] = {}
 
@@ -270,13 +266,13 @@ def plot_file(path: str | Path, out_dir: str | Path | None = None) -> dict[str, 
                                     "arrival cv", True, png, log_base=2)
 
     png = out_dir / f"{stem}-pool.png"
-    pool = plot_pool([x for x in lines if fixed_pool(x) or pool_ran_full(x)],
+    pool = plot_pool([x for x in steps_lines if fixed_pool(x) or pool_ran_full(x)],
                      f"{stem}: the pool where memory bound, and what each point did with it", png)
     if pool:
         written[str(png)] = pool
 
     png = out_dir / f"{stem}-worker-steps.png"
-    steps = plot_steps(lines, f"{stem}: where the worker's step time went", png)
+    steps = plot_steps(steps_lines, f"{stem}: where the worker's step time went", png)
     if steps:
         written[str(png)] = steps
     return written

@@ -89,9 +89,9 @@ class EngineConfig:
     overlap_ending_slots: bool = _doc("with overlap_steps, a step launched ahead that is short of KV slots takes "
                                       "those of the requests ending by length at the step in flight, as the host "
                                       "frees them once its tokens are in, before evicting an adapter or waiting "
-                                      "for the step (off only to measure it on one machine: on an H100, where the "
-                                      "pool binds S2 n = 2000, the steps held back for slots fell from ~2,100 of "
-                                      "~3,100 to ~540 of ~2,200; docs/benchmarks.md, 2026-12-07 19:19)", True)
+                                      "for the step (off only to measure it: on one H100, where the pool binds S2 "
+                                      "n = 2000, it cut the steps held back for slots from ~1,300 to ~520 and "
+                                      "served 5% more; docs/benchmarks.md, 2026-12-07 22:03)", True)
     direct_launch: bool = _doc("a step's layers after the first launch the Triton kernels (norms, rotary, KV write, "
                                "attention, activation, LoRA shrink and expand) the first layer's calls compiled, "
                                "skipping Triton's per-call argument binding (CUDA; kernels/compiled_launch.py); "
