@@ -1,20 +1,21 @@
-"""The serving targets, read off the result lines: each target's measured value, the bound its points'
-rooflines put on it, and a verdict, as a markdown table (`loraplex bench targets`).
+"""The serving targets, read off the result lines: each target's measured value, the bound its points' rooflines put on
+it, and a verdict, as a markdown table (`loraplex bench targets`).
 
-A ratio target (n = 2000 against n = 5, loraplex against base-only) compares two points of one trace whose
-rooflines differ (a step at n = 2000 reads ~240 adapters' rows that n = 5 never reads): the rooflines' own
-ratio is what two servers at 100% of their rooflines would give at the running batch the rooflines assume
-(the server's, 256), so a target above it cannot be met by a faster server at that batch. Points are the
-saturation points (cv = 1, alpha = 1, early abort) at the highest rate measured, each its latest line
-(`plots.read_lines`), on the whole GPU's pool (`plots.fixed_pool`). The PEFT ratio asks for both points
-"measured in the same run": both lines must carry the same `run` (bench/driver.py), or its status says they
-do not. Lines that tried a server setting on the points (`variant`, plots.VARIANT_SETTINGS) are not the server as
-it ships and are left out. Two loraplex points run at different running batches (`batch`, which read_lines takes from the line's
-`roofline_batch`, set by a sweep's worker.max_running_requests) are not compared: the status says so. A ratio
-of two lines whose `server_code` (bench/point.py: the server source's fingerprint) differs says so too: a
-change to the server between the points moves the ratio as much as the adapters do. The targets are set for
-one GPU (the H200): a line that names another in its `gpu` is left out, so a point measured on an H100 neither
-stands for the H200's nor enters a ratio with it.
+A ratio target (n = 2000 against n = 5, loraplex against base-only) compares two points of one trace whose rooflines
+differ (a step at n = 2000 reads ~240 adapters' rows that n = 5 never reads): the rooflines' own ratio is what two
+servers at 100% of their rooflines would give at the running batch the rooflines assume (the server's, 256), so a
+target above it cannot be met by a faster server at that batch. Points are the saturation points (cv = 1, alpha = 1,
+early abort) at the highest rate measured, each its latest line (`plots.read_lines`), on the whole GPU's pool
+(`plots.fixed_pool`). The PEFT ratio asks for both points "measured in the same run": both lines must carry the same
+`run` (bench/driver.py); where the latest lines are of two runs, the latest run that measured both stands for the
+target (the later lines' ratio in its status), and with none its status says the lines are of two runs. Lines that
+tried a server setting on the points (`variant`, plots.VARIANT_SETTINGS) are not the server as it ships and are left
+out. Two loraplex points run at different running batches (`batch`, which read_lines takes from the line's
+`roofline_batch`, set by a sweep's worker.max_running_requests) are not compared: the status says so. A ratio of two
+lines whose `server_code` (bench/point.py: the server source's fingerprint) differs says so too: a change to the
+server between the points moves the ratio as much as the adapters do. The targets are set for one GPU (the H200): a
+line that names another in its `gpu` is left out, so a point measured on an H100 neither stands for the H200's nor
+enters a ratio with it.
 """
 from __future__ import annotations
 
@@ -54,21 +55,53 @@ def on_gpu(line: dict, gpu: str) -> bool:
     return not line.get("gpu") or gpu.lower() in str(line["gpu"]).lower()
 
 
-def saturation_points(paths: list[str | Path], gpu: str = TARGET_GPU) -> dict[tuple[str, str, int], dict]:
-    """(setting, system, n) -> the line at the highest rate of the plain saturation points on `gpu`."""
-    best: dict[tuple[str, str, int], dict] = {}
+def _saturation_lines(paths: list[str | Path], gpu: str):
     for path in paths:
         for line in read_lines(path):
             if line["cv"] != 1 or line["alpha"] != 1 or line["policy"] != "early-abort":
                 continue
             if line.get("throughput_rps") is None or fixed_pool(line) or line["variant"]:
                 continue
-            if not on_gpu(line, gpu):
-                continue
-            key = (line["setting"], line["system"], int(line["n_adapters"]))
-            if key not in best or _rate_then_time(line) > _rate_then_time(best[key]):
-                best[key] = line
+            if on_gpu(line, gpu):
+                yield line
+
+
+def _keep_best(best: dict, line: dict) -> None:
+    key = (line["setting"], line["system"], int(line["n_adapters"]))
+    if key not in best or _rate_then_time(line) > _rate_then_time(best[key]):
+        best[key] = line
+
+
+def saturation_points(paths: list[str | Path], gpu: str = TARGET_GPU) -> dict[tuple[str, str, int], dict]:
+    """(setting, system, n) -> the line at the highest rate of the plain saturation points on `gpu`."""
+    best: dict[tuple[str, str, int], dict] = {}
+    for line in _saturation_lines(paths, gpu):
+        _keep_best(best, line)
     return best
+
+
+def run_points(paths: list[str | Path], gpu: str = TARGET_GPU) -> dict[str, dict[tuple[str, str, int], dict]]:
+    """run -> its saturation points as `saturation_points` picks them, for the lines that name their run."""
+    runs: dict[str, dict[tuple[str, str, int], dict]] = {}
+    for line in _saturation_lines(paths, gpu):
+        if line.get("run"):
+            _keep_best(runs.setdefault(line["run"], {}), line)
+    return runs
+
+
+def ratio_lines(points: dict, runs: dict, setting: str, num: tuple[str, int], den: tuple[str, int],
+                same_run: bool) -> tuple[dict | None, dict | None, bool]:
+    """The two lines a ratio compares, and whether they stand in for the latest lines. Each side's latest
+    line, except where the target asks for one run and the latest lines are of two: then the latest run that
+    measured both sides (runs are named by their start time)."""
+    a, b = points.get((setting, *num)), points.get((setting, *den))
+    if not same_run or a is None or b is None or one_run(a, b):
+        return a, b, False
+    both = [run for run, p in runs.items() if (setting, *num) in p and (setting, *den) in p]
+    if not both:
+        return a, b, False
+    latest = runs[max(both)]
+    return latest[(setting, *num)], latest[(setting, *den)], True
 
 
 def _rate_then_time(line: dict) -> tuple:
@@ -130,11 +163,12 @@ def rooflines_ratio(a: dict, b: dict) -> float | None:
 
 
 def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int], factor: float,
-          same_run: bool = False) -> Verdict:
+          same_run: bool = False, runs: dict | None = None) -> Verdict:
     """num's throughput ≥ factor × den's; both (system, n) of one setting. With same_run the target asks for
-    both points from one run, and a ratio of two runs' lines says so in its status."""
+    both points from one run: the latest run of both (`ratio_lines`, from `runs`) where the latest lines are
+    of two, and a ratio of two runs' lines says so in its status."""
     target = ratio_name(setting, num, den, factor)
-    a, b = points.get((setting, *num)), points.get((setting, *den))
+    a, b, of_one_run = ratio_lines(points, runs or {}, setting, num, den, same_run)
     if a is None or b is None:
         return Verdict(target, "", "", "not measured")
     measured = a["throughput_rps"] / b["throughput_rps"]
@@ -148,6 +182,11 @@ def ratio(points: dict, setting: str, num: tuple[str, int], den: tuple[str, int]
             status = "missed, beyond the roofline"
     if same_run and not one_run(a, b):
         status += ", but not from one run"
+    if of_one_run:
+        # The later lines measured each side again, apart: their ratio, beside the one run's.
+        la, lb = points[(setting, *num)], points[(setting, *den)]
+        status += (f"; the latest lines, of two runs: {la['throughput_rps']:.1f} / {lb['throughput_rps']:.2f} = "
+                   f"{la['throughput_rps'] / lb['throughput_rps']:.2f}× ({_day(la)}, {_day(lb)})")
     if a.get("server_code") and b.get("server_code") and a["server_code"] != b["server_code"]:
         # A change to the server between the points moves the ratio as much as the adapters do.
         status += f", but served by different code ({a['server_code']}, {b['server_code']})"
@@ -289,9 +328,9 @@ def attainable_share(line: dict) -> float | None:
 
 def verdicts(paths: list[str | Path], gpu: str = TARGET_GPU) -> list[Verdict]:
     """The issue's serving targets (docs/benchmarks.md), in its order, from the lines measured on `gpu`."""
-    points = saturation_points(paths, gpu)
+    points, runs = saturation_points(paths, gpu), run_points(paths, gpu)
     return [absolute(points, *ABSOLUTE),
-            *(ratio(points, s, num, den, factor, same_run=one) for s, num, den, factor, one in RATIOS),
+            *(ratio(points, s, num, den, factor, same_run=one, runs=runs) for s, num, den, factor, one in RATIOS),
             roofline_fractions(points)]
 
 

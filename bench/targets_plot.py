@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.targets import (ABSOLUTE, RATIOS, ROOFLINE_TARGET, TARGET_GPU, absolute_name, attainable_share,
-                           fraction_points, one_run, ratio_name, rooflines_ratio, saturation_points)
+                           fraction_points, one_run, ratio_lines, ratio_name, rooflines_ratio, run_points,
+                           saturation_points)
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,9 @@ def scores(paths: list[str | Path], gpu: str = TARGET_GPU) -> list[Score]:
         attainable = p.get("attainable_rps") or p.get("roofline_rps")
         out.append(Score(absolute_name(setting, n, rps_asked), p["throughput_rps"] / rps_asked,
                          attainable / rps_asked if attainable else None, f"{p['throughput_rps']:.2f} req/s"))
+    by_run = run_points(paths, gpu)
     for setting, num, den, factor, same_run in RATIOS:
-        a, b = points.get((setting, *num)), points.get((setting, *den))
+        a, b, _ = ratio_lines(points, by_run, setting, num, den, same_run)
         if a is None or b is None:
             continue
         measured = a["throughput_rps"] / b["throughput_rps"]

@@ -135,6 +135,27 @@ def test_a_same_run_target_is_met_only_by_two_lines_of_one_run(tmp_path):
     assert peft.status == "missed, but not from one run"
 
 
+def test_a_same_run_target_takes_the_latest_run_of_both_sides_over_later_lines_of_two(tmp_path):
+    early, late, alone = "2026-12-02T17:03:00+00:00", "2026-12-02T18:00:00+00:00", "2026-12-05T10:00:00+00:00"
+
+    def runs(peft_late_rps):
+        # one file per sweep, as docs/bench keeps them (a file's later line of a point replaces its earlier)
+        return [write(tmp_path / "early.jsonl", [line("loraplex", 100, 27.9, 43.9, run=early, started=early),
+                                                 line("peft", 100, 0.3, 43.9, run=early, started=early)]),
+                write(tmp_path / "late.jsonl", [line("loraplex", 100, 26.0, 43.9, run=late, started=late),
+                                                line("peft", 100, peft_late_rps, 43.9, run=late, started=late)]),
+                # measured again alone afterwards: the latest line of its side, of no run with peft
+                write(tmp_path / "alone.jsonl", [line("loraplex", 100, 32.9, 46.9, run=alone, started=alone)])]
+
+    peft = {x.target: x for x in verdicts(runs(0.5))}["S2 n = 100 ≥ 30 × peft n = 100"]
+    # The later of the two runs that measured both sides: 26.0 / 0.5 = 52×, not the earlier run's 93×.
+    assert peft.measured == "26.0 / 0.50 = 52.00× (one run, 2026-12-02)"
+    assert peft.status == "met; the latest lines, of two runs: 32.9 / 0.50 = 65.80× (2026-12-05, 2026-12-02)"
+    # A ratio below the target in its one run is missed, whatever the later lines of two runs give.
+    peft = {x.target: x for x in verdicts(runs(1.0))}["S2 n = 100 ≥ 30 × peft n = 100"]
+    assert peft.measured.startswith("26.0 / 1.00 = 26.00× (one run") and peft.status.startswith("missed; the latest")
+
+
 def test_a_point_on_a_pool_the_sweep_sized_is_not_a_saturation_point(tmp_path):
     whole = line("loraplex", 100, 27.9, 43.9, started="2026-12-02T17:13:00+00:00")
     sized = line("loraplex", 100, 20.0, 43.9, started="2026-12-02T17:22:00+00:00", num_slots=108000)

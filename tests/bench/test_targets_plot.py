@@ -37,6 +37,12 @@ def test_each_target_is_its_share_of_what_it_asks_and_its_rooflines_limit(tmp_pa
     assert s["S2 n = 5 ≥ 60% of the roofline"].share == pytest.approx(30.0 / 45.0 / 0.6)
     assert list(s)[:4] == ["S2 n = 2000 ≥ 30 req/s", "S2 n = 2000 ≥ 0.9 × n = 5",
                            "S2 n = 100 ≥ 0.9 × base-only n = 100", "S2 n = 100 ≥ 30 × peft n = 100"]
+    # A run that measured both sides stands for the target over the later lines of two runs.
+    earlier = {"run": "r00", "started": "2026-11-30T10:00:00+00:00"}
+    both = write(tmp_path / "s2-baselines.jsonl", [line("loraplex", 100, 28.0, 44.0, **earlier),
+                                                   line("peft", 100, 0.4, 44.0, **earlier)])
+    peft = {x.target: x for x in scores([points(tmp_path), both])}["S2 n = 100 ≥ 30 × peft n = 100"]
+    assert peft.share == pytest.approx(70.0 / 30) and peft.measured == "70.00×"
 
 
 def test_the_figure_draws_every_score_as_a_bar_of_its_share(tmp_path):
