@@ -249,11 +249,15 @@ def request_cost(setting: Setting, prompt_len: int, output_len: int, batch: int,
     )
 
 
+def _windows(trace: Sequence, batch: int) -> list[Sequence]:
+    """The trace cut into batch-sized windows, in order: the batches the roofline's server runs."""
+    return [trace[start:start + batch] for start in range(0, len(trace), batch)]
+
+
 def _sharers(trace: Sequence, batch: int) -> list[int]:
     """For each request, how many requests of its adapter are in its batch-sized window of the trace."""
     out = []
-    for start in range(0, len(trace), batch):
-        window = trace[start:start + batch]
+    for window in _windows(trace, batch):
         counts: dict = {}
         for r in window:
             counts[r.adapter] = counts.get(r.adapter, 0) + 1
@@ -324,13 +328,14 @@ def batch_adapter_slots(setting: Setting, trace: Sequence, batch: int, ranks: Se
     windows (those of _sharers; a trace shorter than one batch is one window)."""
     from bench.stack import adapter_slots
 
-    per_rank: dict[int, int] = {}
-    windows = [trace[i:i + batch] for i in range(0, len(trace), batch)]
+    windows = _windows(trace, batch)
     full = [w for w in windows if len(w) == batch] or windows
+    slots_of_rank: dict[int, int] = {0: 0}  # a few ranks, asked for each adapter of every window
     total = 0
     for window in full:
         for adapter in {r.adapter for r in window}:
             rank = _rank_of(setting, adapter, ranks)
-            if rank:
-                total += per_rank.setdefault(rank, adapter_slots(setting, rank))
+            if rank not in slots_of_rank:
+                slots_of_rank[rank] = adapter_slots(setting, rank)
+            total += slots_of_rank[rank]
     return total / len(full)
