@@ -52,7 +52,9 @@ def test_the_latest_line_of_a_point_wins_and_missing_points_say_so(tmp_path):
     assert v["S2 n = 2000 ≥ 30 req/s"].status == "met"
     assert v["≥ 60% of the roofline"].status == "met at every point"
     low = write(tmp_path / "c.jsonl", [line("loraplex", 5, 20.0, 46.5, setting="S-GQA")])
-    assert {x.target: x for x in verdicts([a, low])}["≥ 60% of the roofline"].status == "met at S2 n = 2000"
+    assert {x.target: x for x in verdicts([a, low])}["≥ 60% of the roofline"].status == (
+        "met at S2 n = 2000; missed at S-GQA n = 5 (0.72 of it); S-GQA n = 5: its line (2026-12-01) carries no step "
+        "floors")
     assert v["S2 n = 100 ≥ 0.9 × base-only n = 100"].status == "not measured"
 
 
@@ -292,7 +294,12 @@ def test_a_missed_point_says_where_its_worker_time_went_against_its_steps_floors
                            "2.7 s), prefill steps 131.1 ms (50% of step time) at 0.75 of their 96.0 ms floor, the "
                            "GPU running 140.0 ms of each (2 kernels built under load in them, 0.7 s); the stream idle 8% "
                            "of step time; the same steps at their floors: 32.0 req/s")
-    assert "S-GQA n = 5:" not in status and "S2 n = 5:" not in status
+    # Each point under the target is named with how far below it is (0.50 / 0.60, 0.25 / 0.60), and one whose
+    # line carries no floors says so instead of being left out.
+    assert status.startswith("met at S2 n = 5, S2 n = 2000; missed at S-GQA n = 5 (0.83 of it), "
+                             "S-GQA n = 100 (0.42 of it); S-GQA n = 5: its line (2026-12-01) carries no step floors; "
+                             "S-GQA n = 100: ")
+    assert "S2 n = 5:" not in status and "S2 n = 2000:" not in status
 
 
 def test_the_steps_of_a_lines_window_stand_for_its_steps_where_it_has_them(tmp_path):
